@@ -1,0 +1,1 @@
+"""pagefleet.operator."""

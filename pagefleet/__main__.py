@@ -1,0 +1,5 @@
+import sys
+
+from pagefleet.cli import main
+
+sys.exit(main())
