@@ -1,0 +1,276 @@
+"""Render an InferenceService into the manifests of its children: the worker Deployment and its Service.
+
+Pure functions of the custom object (a plain dict as the API server returns it, defaults filled in),
+so that what the operator applies can be tested without a cluster.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+GROUP = "pagefleet.io"
+VERSION = "v1alpha1"
+KIND = "InferenceService"
+PLURAL = "inferenceservices"
+API_VERSION = f"{GROUP}/{VERSION}"
+
+WORKER_PORT = 8000
+WORKER_CONTAINER = "worker"
+WORKER_COMMAND = ["pagefleet", "serve"]
+DEFAULT_IMAGE = "pagefleet/pagefleet:0.1.0"
+DEFAULT_DRAIN_SECONDS = 60
+# The worker drains on SIGTERM with this flag's deadline (seconds).
+DRAIN_FLAG = "--drain-timeout"
+# Endpoint removal takes a moment to reach the gateway and kube-proxy: keep serving that long
+# after the pod is marked terminating, before SIGTERM starts the drain.
+PRESTOP_SLEEP_SECONDS = 5
+MODEL_VOLUME = "model"
+PVC_MOUNT_ROOT = "/models"
+
+# The selector label: every child and every worker pod carries it.
+INSTANCE_LABEL = f"{GROUP}/inference-service"
+SERVED_MODEL_ANNOTATION = f"{GROUP}/served-model-name"
+FIELD_MANAGER = "pagefleet-operator"
+
+# Engine field -> worker flag, in the order they are rendered. Booleans are handled apart.
+ENGINE_VALUE_FLAGS = (
+    ("gpuMemoryFraction", "--gpu-memory-fraction"),
+    ("maxModelLen", "--max-model-len"),
+    ("maxNumSeqs", "--max-num-seqs"),
+    ("maxNumBatchedTokens", "--max-num-batched-tokens"),
+    ("blockSize", "--block-size"),
+    ("dtype", "--dtype"),
+    ("quantization", "--quantization"),
+)
+
+# A big checkpoint may take many minutes to load: the startup probe allows 30 min before liveness takes over.
+STARTUP_PROBE = {"period": 10, "failures": 180, "timeout": 5}
+READINESS_PROBE = {"period": 5, "failures": 2, "timeout": 3}
+LIVENESS_PROBE = {"period": 10, "failures": 6, "timeout": 5}
+
+
+def labels(name: str) -> dict[str, str]:
+    """Labels of every child and worker pod of the InferenceService `name`."""
+    return {
+        "app.kubernetes.io/name": "pagefleet-worker",
+        "app.kubernetes.io/instance": name,
+        "app.kubernetes.io/component": "worker",
+        "app.kubernetes.io/managed-by": FIELD_MANAGER,
+        INSTANCE_LABEL: name,
+    }
+
+
+def selector(name: str) -> dict[str, str]:
+    return {INSTANCE_LABEL: name}
+
+
+def selector_string(name: str) -> str:
+    """The pod selector as the scale subresource wants it (status.selector)."""
+    return ",".join(f"{k}={v}" for k, v in selector(name).items())
+
+
+def owner_reference(body: Mapping[str, Any]) -> dict[str, Any]:
+    """Makes the InferenceService the controlling owner: deleting it garbage-collects the child."""
+    meta = body["metadata"]
+    return {
+        "apiVersion": body.get("apiVersion", API_VERSION),
+        "kind": body.get("kind", KIND),
+        "name": meta["name"],
+        "uid": meta["uid"],
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def desired_replicas(spec: Mapping[str, Any]) -> int:
+    """spec.replicas, kept inside [minReplicas, maxReplicas] while autoscaling is on."""
+    replicas = int(spec.get("replicas", 1))
+    autoscaling = spec.get("autoscaling")
+    if autoscaling:
+        low = int(autoscaling.get("minReplicas", 1))
+        high = int(autoscaling["maxReplicas"])
+        replicas = max(low, min(high, replicas))
+    return replicas
+
+
+def model_path(model: Mapping[str, Any]) -> str:
+    """Where the worker finds the checkpoint inside its container."""
+    if "hostPath" in model:
+        # Same path as on the node: logs, configs and the checkpoint's own references all agree.
+        return model["hostPath"]["path"]
+    pvc = model["pvc"]
+    return f"{PVC_MOUNT_ROOT}/{pvc['claimName']}"
+
+
+def model_volume(model: Mapping[str, Any]) -> dict[str, Any]:
+    if "hostPath" in model:
+        # type Directory: the kubelet refuses to start a pod whose node lacks the checkpoint,
+        # instead of creating an empty directory the worker would crash on.
+        return {"name": MODEL_VOLUME, "hostPath": {"path": model["hostPath"]["path"], "type": "Directory"}}
+    return {
+        "name": MODEL_VOLUME,
+        "persistentVolumeClaim": {"claimName": model["pvc"]["claimName"], "readOnly": True},
+    }
+
+
+def model_mount(model: Mapping[str, Any]) -> dict[str, Any]:
+    mount = {"name": MODEL_VOLUME, "mountPath": model_path(model), "readOnly": True}
+    sub_path = (model.get("pvc") or {}).get("subPath")
+    if sub_path:
+        mount["subPath"] = sub_path
+    return mount
+
+
+def worker_args(spec: Mapping[str, Any]) -> list[str]:
+    """The `pagefleet serve` flags for this spec; engine fields left unset keep the worker's defaults."""
+    model = spec["model"]
+    args = [
+        "--model", model_path(model),
+        "--served-model-name", model["name"],
+        # Kubernetes expands $(POD_IP) from the container's env: the worker listens on the pod's own address.
+        "--host", "$(POD_IP)",
+        "--port", str(WORKER_PORT),
+    ]
+    engine = spec.get("engine") or {}
+    for field, flag in ENGINE_VALUE_FLAGS:
+        if engine.get(field) is not None:
+            args += [flag, str(engine[field])]
+    if engine.get("enablePrefixCaching") is True:
+        args.append("--enable-prefix-caching")
+    elif engine.get("enablePrefixCaching") is False:
+        args.append("--no-enable-prefix-caching")
+    if engine.get("enforceEager"):
+        args.append("--enforce-eager")
+    args += [DRAIN_FLAG, str(drain_seconds(spec))]
+    args += [str(a) for a in engine.get("extraArgs") or []]
+    return args
+
+
+def drain_seconds(spec: Mapping[str, Any]) -> int:
+    return int(spec.get("drainSeconds", DEFAULT_DRAIN_SECONDS))
+
+
+def _probe(path: str, timing: Mapping[str, int]) -> dict[str, Any]:
+    return {
+        "httpGet": {"path": path, "port": "http"},
+        "periodSeconds": timing["period"],
+        "failureThreshold": timing["failures"],
+        "timeoutSeconds": timing["timeout"],
+    }
+
+
+def container_resources(spec: Mapping[str, Any]) -> dict[str, Any]:
+    wanted = spec.get("resources") or {}
+    limits: dict[str, Any] = {}
+    requests: dict[str, Any] = {}
+    gpus = int(wanted.get("gpus", 1))
+    if gpus > 0:
+        limits["nvidia.com/gpu"] = gpus
+    for key in ("cpu", "memory"):
+        if wanted.get(key) is not None:
+            requests[key] = limits[key] = str(wanted[key])
+    resources: dict[str, Any] = {}
+    if limits:
+        resources["limits"] = limits
+    if requests:
+        resources["requests"] = requests
+    return resources
+
+
+def worker_container(spec: Mapping[str, Any]) -> dict[str, Any]:
+    model = spec["model"]
+    container = {
+        "name": WORKER_CONTAINER,
+        "image": spec.get("image", DEFAULT_IMAGE),
+        "command": list(WORKER_COMMAND),
+        "args": worker_args(spec),
+        "env": [
+            {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+            # Weights come from the mounted checkpoint only, never from a hub at start.
+            {"name": "HF_HUB_OFFLINE", "value": "1"},
+            {"name": "TRANSFORMERS_OFFLINE", "value": "1"},
+        ],
+        "ports": [{"name": "http", "containerPort": WORKER_PORT, "protocol": "TCP"}],
+        "volumeMounts": [model_mount(model), {"name": "dshm", "mountPath": "/dev/shm"}],
+        "startupProbe": _probe("/ready", STARTUP_PROBE),
+        "readinessProbe": _probe("/ready", READINESS_PROBE),
+        "livenessProbe": _probe("/health", LIVENESS_PROBE),
+        "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_SLEEP_SECONDS}}},
+    }
+    resources = container_resources(spec)
+    if resources:
+        container["resources"] = resources
+    return container
+
+
+def deployment(body: Mapping[str, Any]) -> dict[str, Any]:
+    """The worker Deployment: `pagefleet serve` pods with the model mounted read-only."""
+    meta = body["metadata"]
+    name, spec = meta["name"], body["spec"]
+    pod_spec: dict[str, Any] = {
+        "containers": [worker_container(spec)],
+        "volumes": [
+            model_volume(spec["model"]),
+            # NCCL and tokenizer workers use shared memory; the container default of 64 MiB is too small.
+            {"name": "dshm", "emptyDir": {"medium": "Memory"}},
+        ],
+        # SIGTERM comes after the preStop sleep; the worker then has drainSeconds to finish, plus a margin.
+        "terminationGracePeriodSeconds": PRESTOP_SLEEP_SECONDS + drain_seconds(spec) + 10,
+        "enableServiceLinks": False,
+    }
+    if spec.get("nodeSelector"):
+        pod_spec["nodeSelector"] = dict(spec["nodeSelector"])
+    if spec.get("tolerations"):
+        pod_spec["tolerations"] = [dict(t) for t in spec["tolerations"]]
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {
+            "name": name,
+            "namespace": meta["namespace"],
+            "labels": labels(name),
+            "annotations": {SERVED_MODEL_ANNOTATION: spec["model"]["name"]},
+            "ownerReferences": [owner_reference(body)],
+        },
+        "spec": {
+            "replicas": desired_replicas(spec),
+            "selector": {"matchLabels": selector(name)},
+            # One extra pod at a time and never fewer ready than desired: serving capacity holds during a roll.
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+            "revisionHistoryLimit": 3,
+            "template": {
+                "metadata": {
+                    "labels": labels(name),
+                    "annotations": {SERVED_MODEL_ANNOTATION: spec["model"]["name"]},
+                },
+                "spec": pod_spec,
+            },
+        },
+    }
+
+
+def service(body: Mapping[str, Any]) -> dict[str, Any]:
+    """The Service in front of the ready workers; its EndpointSlices (which copy its labels) list them for the gateway."""
+    meta = body["metadata"]
+    name = meta["name"]
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {
+            "name": name,
+            "namespace": meta["namespace"],
+            "labels": labels(name),
+            "annotations": {SERVED_MODEL_ANNOTATION: body["spec"]["model"]["name"]},
+            "ownerReferences": [owner_reference(body)],
+        },
+        "spec": {
+            "type": "ClusterIP",
+            "selector": selector(name),
+            "ports": [{"name": "http", "port": WORKER_PORT, "targetPort": "http", "protocol": "TCP"}],
+        },
+    }
+
+
+def children(body: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """Everything the operator applies for one InferenceService, in apply order."""
+    return [service(body), deployment(body)]

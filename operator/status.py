@@ -1,0 +1,179 @@
+"""What an InferenceService's status should say, from what its Deployment, pods and model source show.
+
+Pure: the observations come in as plain dicts (as the API server returns them), the status goes out as one.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+READY = "Ready"
+MODEL_SOURCE_AVAILABLE = "ModelSourceAvailable"
+PROGRESSING = "Progressing"
+
+PENDING, LOADING, PROGRESSING_PHASE, READY_PHASE, FAILED, STOPPED = (
+    "Pending", "Loading", "Progressing", "Ready", "Failed", "Stopped")
+
+
+@dataclass(frozen=True)
+class SourceCheck:
+    """Whether the model's checkpoint can be mounted: True, False or None (not known yet)."""
+
+    available: bool | None
+    reason: str
+    message: str
+
+
+def now_iso(now: datetime.datetime | None = None) -> str:
+    now = now or datetime.datetime.now(datetime.timezone.utc)
+    return now.astimezone(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def pod_is_terminating(pod: Mapping[str, Any]) -> bool:
+    return bool(pod.get("metadata", {}).get("deletionTimestamp"))
+
+
+def pod_is_ready(pod: Mapping[str, Any]) -> bool:
+    if pod_is_terminating(pod) or not pod.get("status", {}).get("podIP"):
+        return False
+    return any(c.get("type") == "Ready" and c.get("status") == "True"
+               for c in pod.get("status", {}).get("conditions") or [])
+
+
+def endpoints(pods: Sequence[Mapping[str, Any]], port: int) -> list[str]:
+    """URLs of the ready pods, sorted so that an unchanged set gives an unchanged status."""
+    return sorted(f"http://{p['status']['podIP']}:{port}" for p in pods if pod_is_ready(p))
+
+
+def crash_looping(pods: Sequence[Mapping[str, Any]]) -> str | None:
+    """A message about the first worker container stuck in CrashLoopBackOff, if any."""
+    for pod in pods:
+        for cs in pod.get("status", {}).get("containerStatuses") or []:
+            waiting = (cs.get("state") or {}).get("waiting") or {}
+            if waiting.get("reason") == "CrashLoopBackOff":
+                last = ((cs.get("lastState") or {}).get("terminated") or {})
+                detail = last.get("message") or last.get("reason") or waiting.get("message") or ""
+                return f"pod {pod['metadata']['name']} keeps crashing (restarts: {cs.get('restartCount', 0)}) {detail}".strip()
+    return None
+
+
+def rollout_complete(deployment: Mapping[str, Any] | None, desired: int) -> bool:
+    """The Deployment has seen its latest spec and runs exactly `desired` up-to-date, available pods."""
+    if not deployment:
+        return False
+    st = deployment.get("status") or {}
+    return (st.get("observedGeneration", 0) >= deployment["metadata"].get("generation", 0)
+            and st.get("updatedReplicas", 0) == desired
+            and st.get("availableReplicas", 0) == desired
+            and st.get("replicas", 0) == desired)
+
+
+def condition(conditions: Sequence[Mapping[str, Any]], type_: str, status: bool | None, reason: str, message: str,
+              generation: int, now: str) -> dict[str, Any]:
+    """A condition; lastTransitionTime moves only when the status itself changes."""
+    value = {True: "True", False: "False", None: "Unknown"}[status]
+    previous = next((c for c in conditions if c.get("type") == type_), None)
+    since = previous.get("lastTransitionTime") if previous and previous.get("status") == value else None
+    return {"type": type_, "status": value, "reason": reason, "message": message,
+            "lastTransitionTime": since or now, "observedGeneration": generation}
+
+
+def compute(body: Mapping[str, Any], deployment: Mapping[str, Any] | None, pods: Sequence[Mapping[str, Any]],
+            source: SourceCheck, desired: int, port: int, now: str) -> dict[str, Any]:
+    """The status fields the operator owns (everything but observedGeneration, selector and autoscaling)."""
+    previous = (body.get("status") or {}).get("conditions") or []
+    generation = body["metadata"].get("generation", 0)
+    live = [p for p in pods if not pod_is_terminating(p)]
+    urls = endpoints(live, port)
+    ready = len(urls)
+    crash = crash_looping(live)
+    done = rollout_complete(deployment, desired) and len(live) == desired
+
+    if source.available is False:
+        phase = FAILED
+    elif desired == 0:
+        phase = STOPPED
+    elif ready == 0:
+        phase = LOADING if live else PENDING
+    elif done and ready == desired:
+        phase = READY_PHASE
+    else:
+        phase = PROGRESSING_PHASE
+
+    if ready > 0:
+        ready_cond = (True, "WorkersReady", f"{ready} of {desired} worker(s) ready")
+    elif source.available is False:
+        ready_cond = (False, "ModelSourceUnavailable", source.message)
+    elif crash:
+        ready_cond = (False, "WorkerCrashLoop", crash)
+    elif desired == 0:
+        ready_cond = (False, "ScaledToZero", "spec.replicas is 0")
+    elif live:
+        ready_cond = (False, "WorkersLoading", f"{len(live)} worker(s) starting, none ready yet")
+    else:
+        ready_cond = (False, "NoWorkers", "no worker pod exists yet")
+
+    if done:
+        progressing = (False, "RolloutComplete", f"{desired} up-to-date worker(s) available")
+    elif deployment is None:
+        progressing = (True, "Creating", "the worker Deployment is being created")
+    else:
+        st = deployment.get("status") or {}
+        progressing = (True, "RollingOut",
+                       f"{st.get('updatedReplicas', 0)} updated, {st.get('availableReplicas', 0)} available, "
+                       f"{len(live)} running of {desired} desired")
+
+    conditions = [
+        condition(previous, READY, *ready_cond, generation, now),
+        condition(previous, MODEL_SOURCE_AVAILABLE, source.available, source.reason, source.message, generation, now),
+        condition(previous, PROGRESSING, *progressing, generation, now),
+    ]
+    return {
+        "phase": phase,
+        "replicas": len(live),
+        "readyReplicas": ready,
+        "endpoints": urls,
+        "conditions": conditions,
+    }
+
+
+def changed_fields(current: Mapping[str, Any], wanted: Mapping[str, Any]) -> dict[str, Any]:
+    """The wanted fields that differ from the current status (an empty dict: nothing to patch)."""
+    return {k: v for k, v in wanted.items() if current.get(k) != v}
+
+
+def container_started(pod: Mapping[str, Any]) -> bool:
+    return any(cs.get("started") or (cs.get("state") or {}).get("running")
+               for cs in pod.get("status", {}).get("containerStatuses") or [])
+
+
+def check_source(model: Mapping[str, Any], claim: Mapping[str, Any] | None, mount_failures: Mapping[str, str],
+                 pods: Sequence[Mapping[str, Any]]) -> SourceCheck:
+    """Whether the checkpoint can be mounted, from the claim (pvc source), the pods and their FailedMount events.
+
+    `mount_failures` maps a pod name to the message of its latest FailedMount event. A hostPath lies on
+    the nodes, out of the operator's sight: it is known missing when the kubelet refuses to mount it,
+    and known present once a worker container has started with it.
+    """
+    live = [p for p in pods if not pod_is_terminating(p)]
+    failing = [mount_failures[p["metadata"]["name"]] for p in live
+               if p["metadata"]["name"] in mount_failures and not container_started(p)]
+    if failing:
+        return SourceCheck(False, "MountFailed", failing[0])
+    if "pvc" in model:
+        name = model["pvc"]["claimName"]
+        if claim is None:
+            return SourceCheck(False, "ClaimNotFound", f"PersistentVolumeClaim {name!r} does not exist in this namespace")
+        phase = (claim.get("status") or {}).get("phase")
+        if phase == "Bound":
+            return SourceCheck(True, "ClaimBound", f"PersistentVolumeClaim {name!r} is bound")
+        if phase == "Lost":
+            return SourceCheck(False, "ClaimLost", f"PersistentVolumeClaim {name!r} lost its volume")
+        # WaitForFirstConsumer claims bind only once a worker pod is scheduled.
+        return SourceCheck(None, "ClaimPending", f"PersistentVolumeClaim {name!r} is {phase or 'not bound yet'}")
+    path = model["hostPath"]["path"]
+    if any(container_started(p) for p in live):
+        return SourceCheck(True, "HostPathMounted", f"{path} is mounted in the running workers")
+    return SourceCheck(None, "WaitingForPods", f"{path} is checked on the node when a worker pod starts")
