@@ -89,7 +89,8 @@ def _reason(replicas: int, current: int, same: str) -> str:
 async def probe_waiting(endpoints: Iterable[str], timeout: float = 2.0) -> dict[str, int]:
     """GET {endpoint}/load of each pod at once; returns endpoint -> waiting requests for those that answered."""
     endpoints = list(endpoints)
-    async with httpx.AsyncClient(timeout=timeout) as client:
+    # Pod IPs are reached directly, never through a proxy from the environment.
+    async with httpx.AsyncClient(timeout=timeout, trust_env=False) as client:
         answers = await asyncio.gather(*(client.get(f"{url}/load") for url in endpoints), return_exceptions=True)
     waiting: dict[str, int] = {}
     for url, answer in zip(endpoints, answers):

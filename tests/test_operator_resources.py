@@ -1,0 +1,208 @@
+"""Rendering an InferenceService into its Deployment and Service (no cluster)."""
+
+import copy
+
+import pytest
+
+from pagefleet.operator import resources
+
+OWNER_UID = "0f9c1d2e-aaaa-bbbb-cccc-123456789abc"
+
+
+def inference_service(**spec_overrides):
+    spec = {
+        "model": {"name": "smollm2", "hostPath": {"path": "/mnt/nvme/models/smollm2"}},
+        "replicas": 2,
+        "resources": {"gpus": 1, "cpu": "4", "memory": "32Gi"},
+        "image": "pagefleet/pagefleet:test",
+        "drainSeconds": 45,
+    }
+    spec.update(spec_overrides)
+    return {
+        "apiVersion": "pagefleet.io/v1alpha1",
+        "kind": "InferenceService",
+        "metadata": {"name": "chat", "namespace": "serving", "uid": OWNER_UID, "generation": 3},
+        "spec": spec,
+    }
+
+
+def container(deployment):
+    (only,) = deployment["spec"]["template"]["spec"]["containers"]
+    return only
+
+
+def flag(args, name):
+    return args[args.index(name) + 1]
+
+
+def test_hostpath_deployment_mounts_checkpoint_read_only_at_its_node_path():
+    dep = resources.deployment(inference_service())
+    pod = dep["spec"]["template"]["spec"]
+    assert {"name": "model", "hostPath": {"path": "/mnt/nvme/models/smollm2", "type": "Directory"}} in pod["volumes"]
+    mount = next(m for m in container(dep)["volumeMounts"] if m["name"] == "model")
+    assert mount == {"name": "model", "mountPath": "/mnt/nvme/models/smollm2", "readOnly": True}
+    assert flag(container(dep)["args"], "--model") == "/mnt/nvme/models/smollm2"
+
+
+def test_pvc_deployment_mounts_claim_read_only_with_sub_path():
+    body = inference_service(model={"name": "llama", "pvc": {"claimName": "weights", "subPath": "llama-3.1-8b"}})
+    dep = resources.deployment(body)
+    pod = dep["spec"]["template"]["spec"]
+    assert {"name": "model", "persistentVolumeClaim": {"claimName": "weights", "readOnly": True}} in pod["volumes"]
+    mount = next(m for m in container(dep)["volumeMounts"] if m["name"] == "model")
+    assert mount == {"name": "model", "mountPath": "/models/weights", "readOnly": True, "subPath": "llama-3.1-8b"}
+    args = container(dep)["args"]
+    assert flag(args, "--model") == "/models/weights"
+    assert flag(args, "--served-model-name") == "llama"
+    assert not any("hostPath" in v for v in pod["volumes"])
+
+
+def test_pvc_without_sub_path_mounts_the_claim_root():
+    dep = resources.deployment(inference_service(model={"name": "m", "pvc": {"claimName": "weights"}}))
+    mount = next(m for m in container(dep)["volumeMounts"] if m["name"] == "model")
+    assert "subPath" not in mount and mount["readOnly"] is True
+
+
+def test_engine_fields_become_worker_flags():
+    engine = {
+        "gpuMemoryFraction": 0.35, "maxModelLen": 4096, "maxNumSeqs": 64, "maxNumBatchedTokens": 8192,
+        "blockSize": 32, "enablePrefixCaching": False, "enforceEager": True, "dtype": "bfloat16",
+        "quantization": "fp8", "extraArgs": ["--max-queue", "512"],
+    }
+    args = container(resources.deployment(inference_service(engine=engine)))["args"]
+    assert args[:8] == ["--model", "/mnt/nvme/models/smollm2", "--served-model-name", "smollm2",
+                        "--host", "$(POD_IP)", "--port", "8000"]
+    assert flag(args, "--gpu-memory-fraction") == "0.35"
+    assert flag(args, "--max-model-len") == "4096"
+    assert flag(args, "--max-num-seqs") == "64"
+    assert flag(args, "--max-num-batched-tokens") == "8192"
+    assert flag(args, "--block-size") == "32"
+    assert flag(args, "--dtype") == "bfloat16"
+    assert flag(args, "--quantization") == "fp8"
+    assert "--no-enable-prefix-caching" in args and "--enable-prefix-caching" not in args
+    assert "--enforce-eager" in args
+    assert flag(args, resources.DRAIN_FLAG) == "45"
+    assert args[-2:] == ["--max-queue", "512"]
+
+
+def test_unset_engine_fields_keep_worker_defaults():
+    args = container(resources.deployment(inference_service()))["args"]
+    for absent in ("--gpu-memory-fraction", "--max-num-seqs", "--enforce-eager", "--enable-prefix-caching",
+                   "--no-enable-prefix-caching", "--dtype", "--quantization"):
+        assert absent not in args
+    args = container(resources.deployment(inference_service(engine={"enablePrefixCaching": True,
+                                                                    "enforceEager": False})))["args"]
+    assert "--enable-prefix-caching" in args and "--enforce-eager" not in args
+
+
+def test_worker_listens_on_the_pod_ip_from_the_downward_api():
+    c = container(resources.deployment(inference_service()))
+    assert c["command"] == ["pagefleet", "serve"]
+    assert {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}} in c["env"]
+    assert flag(c["args"], "--host") == "$(POD_IP)"
+    assert c["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"}]
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    assert env["HF_HUB_OFFLINE"] == "1"
+
+
+def test_probes_startup_readiness_liveness():
+    c = container(resources.deployment(inference_service()))
+    assert c["startupProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
+    # A big checkpoint may load for many minutes before liveness applies.
+    startup = c["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 20 * 60
+    assert c["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
+    assert c["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+
+
+def test_termination_grace_covers_pre_stop_and_drain():
+    dep = resources.deployment(inference_service(drainSeconds=100))
+    pod = dep["spec"]["template"]["spec"]
+    pre_stop = container(dep)["lifecycle"]["preStop"]["sleep"]["seconds"]
+    assert pod["terminationGracePeriodSeconds"] > pre_stop + 100
+    assert flag(container(dep)["args"], resources.DRAIN_FLAG) == "100"
+
+
+def test_shm_gpu_limits_cpu_memory():
+    dep = resources.deployment(inference_service())
+    pod = dep["spec"]["template"]["spec"]
+    assert {"name": "dshm", "emptyDir": {"medium": "Memory"}} in pod["volumes"]
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in container(dep)["volumeMounts"]
+    res = container(dep)["resources"]
+    assert res["limits"] == {"nvidia.com/gpu": 1, "cpu": "4", "memory": "32Gi"}
+    assert res["requests"] == {"cpu": "4", "memory": "32Gi"}
+
+
+def test_zero_gpus_requests_no_gpu():
+    dep = resources.deployment(inference_service(resources={"gpus": 0}))
+    assert "resources" not in container(dep)
+
+
+def test_children_are_owned_by_the_inference_service():
+    body = inference_service()
+    for child in resources.children(body):
+        assert child["metadata"]["namespace"] == "serving"
+        assert child["metadata"]["name"] == "chat"
+        assert child["metadata"]["ownerReferences"] == [{
+            "apiVersion": "pagefleet.io/v1alpha1", "kind": "InferenceService", "name": "chat",
+            "uid": OWNER_UID, "controller": True, "blockOwnerDeletion": True,
+        }]
+        assert child["metadata"]["labels"][resources.INSTANCE_LABEL] == "chat"
+
+
+def test_deployment_selects_its_pods_and_rolls_without_losing_capacity():
+    dep = resources.deployment(inference_service())
+    assert dep["spec"]["selector"]["matchLabels"] == {"pagefleet.io/inference-service": "chat"}
+    template_labels = dep["spec"]["template"]["metadata"]["labels"]
+    assert dep["spec"]["selector"]["matchLabels"].items() <= template_labels.items()
+    assert dep["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
+    assert dep["spec"]["replicas"] == 2
+    assert dep["spec"]["template"]["spec"]["containers"][0]["image"] == "pagefleet/pagefleet:test"
+
+
+def test_service_fronts_the_worker_port():
+    svc = resources.service(inference_service())
+    assert svc["spec"]["selector"] == {"pagefleet.io/inference-service": "chat"}
+    assert svc["spec"]["ports"] == [{"name": "http", "port": 8000, "targetPort": "http", "protocol": "TCP"}]
+    assert svc["metadata"]["annotations"][resources.SERVED_MODEL_ANNOTATION] == "smollm2"
+
+
+def test_node_selector_and_tolerations_pass_through():
+    tol = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    pod = resources.deployment(inference_service(nodeSelector={"gpu": "h200"}, tolerations=tol))["spec"]["template"]["spec"]
+    assert pod["nodeSelector"] == {"gpu": "h200"}
+    assert pod["tolerations"] == tol
+
+
+@pytest.mark.parametrize("replicas, bounds, expected", [
+    (3, None, 3), (0, None, 0), (1, (2, 5), 2), (9, (2, 5), 5), (4, (2, 5), 4),
+])
+def test_desired_replicas_stay_within_autoscaling_bounds(replicas, bounds, expected):
+    spec = {"replicas": replicas}
+    if bounds:
+        spec["autoscaling"] = {"minReplicas": bounds[0], "maxReplicas": bounds[1]}
+    assert resources.desired_replicas(spec) == expected
+
+
+def test_rendering_is_deterministic_and_does_not_touch_the_input():
+    body = inference_service(engine={"maxNumSeqs": 8})
+    before = copy.deepcopy(body)
+    assert resources.children(body) == resources.children(body)
+    assert body == before
+
+
+def test_changing_max_num_seqs_changes_only_the_pod_template_args():
+    old = resources.deployment(inference_service(engine={"maxNumSeqs": 8}))
+    new = resources.deployment(inference_service(engine={"maxNumSeqs": 16}))
+    assert flag(container(new)["args"], "--max-num-seqs") == "16"
+    container(old)["args"] = container(new)["args"]
+    assert old == new
+
+
+def test_operator_imports_no_torch():
+    import subprocess
+    import sys
+    code = ("import sys, pagefleet.operator, pagefleet.operator.main; "
+            "bad = [m for m in ('torch', 'pagefleet.worker', 'pagefleet.kernels') if m in sys.modules]; "
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True)
