@@ -1,0 +1,192 @@
+"""`pagefleet bench serve`: AIPerf-style load against a running OpenAI-compatible server.
+
+At concurrency c, max(16, 4c) streaming /v1/completions requests (564 input / 128 output tokens,
+ignore_eos), each of c slots sending its next request as soon as its last one finished. Reports TTFT and
+inter-token latency p50 / p99, output tok/s, and the scaling against concurrency 1.
+
+Exact prompt lengths: `--prompt-format words` sends N words "t<id>", which is N tokens when the server's
+checkpoint has the word-level tokenizer that `--write-word-tokenizer DIR` writes ("t0" ... "tN", split on
+whitespace); `--prompt-format ids` sends token ids and needs no tokenizer change.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    a = parser.add_argument
+    a("--base-url", default="http://127.0.0.1:8000")
+    a("--model", default=None, help="served model name (default: the server's first)")
+    a("--api-key", default=None)
+    a("--input-len", type=int, default=564)
+    a("--output-len", type=int, default=128)
+    a("--concurrency", type=int, nargs="+", default=[1, 4, 8, 16, 32, 64])
+    a("--num-requests", type=int, default=None, help="per concurrency (default: max(16, 4c))")
+    a("--prompt-format", choices=["words", "ids"], default="words")
+    a("--vocab-low", type=int, default=100, help="prompt tokens are drawn from [low, high)")
+    a("--vocab-high", type=int, default=None, help="default: the server's vocabulary size")
+    a("--seed", type=int, default=0)
+    a("--json-out", default=None, help="also write the results as JSON here")
+    a("--write-word-tokenizer", metavar="MODEL_DIR", default=None,
+      help="write a word-level tokenizer over MODEL_DIR's vocabulary (from its config.json) and exit")
+
+
+def write_word_tokenizer(model_dir: str) -> int:
+    """tokenizer.json with the words t0 ... t{V-1}; a prompt of N such words is N tokens."""
+    import os
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    with open(os.path.join(model_dir, "config.json")) as f:
+        vocab_size = json.load(f)["vocab_size"]
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(os.path.join(model_dir, "tokenizer.json"))
+    # No special tokens: nothing is added to a prompt, and with ignore_eos none are needed.
+    with open(os.path.join(model_dir, "tokenizer_config.json"), "w") as f:
+        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 1 << 30,
+                   "unk_token": "t0", "clean_up_tokenization_spaces": False}, f, indent=1)
+    for stale in ("vocab.json", "merges.txt", "special_tokens_map.json", "tokenizer.model"):
+        if os.path.exists(os.path.join(model_dir, stale)):
+            os.remove(os.path.join(model_dir, stale))
+    print(f"wrote a word-level tokenizer of {vocab_size} words to {model_dir}")
+    return 0
+
+
+@dataclass
+class Result:
+    ttft: float = 0.0
+    itls: list[float] = field(default_factory=list)
+    output_tokens: int = 0
+    error: str | None = None
+
+
+async def _one(session, url: str, headers: dict, body: dict) -> Result:
+    r = Result()
+    start = time.perf_counter()
+    last = None
+    try:
+        async with session.post(url, json=body, headers=headers) as resp:
+            if resp.status != 200:
+                r.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
+                return r
+            async for raw in resp.content:  # one SSE line at a time
+                line = raw.strip()
+                if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    r.error = chunk["error"]["message"]
+                    return r
+                if chunk.get("usage"):
+                    r.output_tokens = chunk["usage"]["completion_tokens"]
+                if chunk.get("choices") and chunk["choices"][0].get("text"):
+                    now = time.perf_counter()
+                    if last is None:
+                        r.ttft = now - start
+                    else:
+                        r.itls.append(now - last)
+                    last = now
+    except Exception as e:  # a failed request is reported, not fatal to the run
+        r.error = f"{type(e).__name__}: {e}"
+    return r
+
+
+def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    k = (len(values) - 1) * q / 100
+    lo, hi = int(k), min(int(k) + 1, len(values) - 1)
+    return values[lo] + (values[hi] - values[lo]) * (k - lo)
+
+
+async def _level(session, args, model: str, prompts: list, concurrency: int) -> dict:
+    url = args.base_url.rstrip("/") + "/v1/completions"
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    todo = list(prompts)
+    results: list[Result] = []
+
+    async def slot():
+        while todo:
+            prompt = todo.pop()
+            body = {"model": model, "prompt": prompt, "max_tokens": args.output_len, "ignore_eos": True,
+                    "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
+            results.append(await _one(session, url, headers, body))
+
+    start = time.perf_counter()
+    await asyncio.gather(*(slot() for _ in range(concurrency)))
+    wall = time.perf_counter() - start
+    ok = [r for r in results if r.error is None]
+    tokens = sum(r.output_tokens for r in ok)
+    return {
+        "concurrency": concurrency, "requests": len(results), "errors": len(results) - len(ok),
+        "first_error": next((r.error for r in results if r.error), None),
+        "short_outputs": sum(1 for r in ok if r.output_tokens != args.output_len),
+        "ttft_p50_ms": 1e3 * _pct([r.ttft for r in ok], 50), "ttft_p99_ms": 1e3 * _pct([r.ttft for r in ok], 99),
+        "itl_p50_ms": 1e3 * _pct([x for r in ok for x in r.itls], 50),
+        "itl_p99_ms": 1e3 * _pct([x for r in ok for x in r.itls], 99),
+        "output_tok_s": tokens / wall, "wall_s": wall,
+    }
+
+
+async def _main(args) -> list[dict]:
+    import aiohttp
+
+    rng = random.Random(args.seed)
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    base = args.base_url.rstrip("/")
+    connector = aiohttp.TCPConnector(limit=0)
+    timeout = aiohttp.ClientTimeout(total=None)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        async with session.get(base + "/v1/models", headers=headers) as resp:
+            card = (await resp.json())["data"][0]
+        model = args.model or card["id"]
+        high = args.vocab_high or card["vocab_size"]  # a pagefleet extra in /v1/models
+
+        def prompt():
+            ids = [rng.randrange(args.vocab_low, high) for _ in range(args.input_len)]
+            return " ".join(f"t{i}" for i in ids) if args.prompt_format == "words" else ids
+
+        await _level(session, args, model, [prompt()], 1)  # warm-up, not reported
+        rows = []
+        for c in args.concurrency:
+            n = args.num_requests or max(16, 4 * c)
+            row = await _level(session, args, model, [prompt() for _ in range(n)], c)
+            rows.append(row)
+            print(f"  c={c}: {row['requests']} requests, {row['errors']} errors, {row['output_tok_s']:.1f} tok/s",
+                  file=sys.stderr, flush=True)
+    return rows
+
+
+def format_table(rows: list[dict]) -> str:
+    base = next((r["output_tok_s"] for r in rows if r["concurrency"] == 1), None)
+    lines = ["| concurrency | TTFT p50 / p99 (ms) | inter-token p50 / p99 (ms) | output tok/s | scaling |",
+             "|---|---|---|---|---|"]
+    for r in rows:
+        scaling = f"{r['output_tok_s'] / base:.1f}×" if base else "—"
+        lines.append(f"| {r['concurrency']} | {r['ttft_p50_ms']:.1f} / {r['ttft_p99_ms']:.1f} | "
+                     f"{r['itl_p50_ms']:.2f} / {r['itl_p99_ms']:.2f} | {r['output_tok_s']:,.1f} | {scaling} |")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.write_word_tokenizer:
+        return write_word_tokenizer(args.write_word_tokenizer)
+    rows = asyncio.run(_main(args))
+    print(format_table(rows))
+    bad = [r for r in rows if r["errors"] or r["short_outputs"]]
+    for r in bad:
+        print(f"c={r['concurrency']}: {r['errors']} errors ({r['first_error']}), "
+              f"{r['short_outputs']} outputs not {args.output_len} tokens", file=sys.stderr)
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 1 if bad else 0
