@@ -1,0 +1,105 @@
+"""Our LiteLLM routing strategy: LiteLLM filters (cooldowns, retries' exclusions), we choose.
+
+LiteLLM's `least-busy` counts only the proxy's own in-flight requests; this strategy asks the
+workers (through the prober) how long their queues are and how full their KV caches are.
+A failure callback marks a worker that refused a connection as down at once, so a retry that
+follows within the same millisecond does not pick it again before the next probe.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+
+from litellm.integrations.custom_logger import CustomLogger
+from litellm.types.router import CustomRoutingStrategyBase
+
+from pagefleet.gateway.config import WORKER_URL_KEY
+from pagefleet.gateway.probe import Prober
+from pagefleet.gateway.routing import RoutingPolicy, WorkerLoad, choose
+
+log = logging.getLogger("pagefleet.gateway.strategy")
+
+
+def worker_url_of(deployment: dict) -> str:
+    """The worker behind a LiteLLM deployment: our model_info key, else its api_base without /v1."""
+    url = (deployment.get("model_info") or {}).get(WORKER_URL_KEY)
+    if url:
+        return url
+    api_base = (deployment.get("litellm_params") or {}).get("api_base") or ""
+    return api_base.rstrip("/").removesuffix("/v1")
+
+
+class QueueDepthStrategy(CustomRoutingStrategyBase):
+    def __init__(self, router, prober: Prober, policy: RoutingPolicy, rng: random.Random | None = None):
+        self.router = router
+        self.prober = prober
+        self.policy = policy
+        self.rng = rng or random.Random()
+
+    def pick(self, deployments: list[dict]) -> dict:
+        by_url = {}
+        for d in deployments:
+            by_url.setdefault(worker_url_of(d), d)
+        loads = [self.prober.snapshot(url) or WorkerLoad(url=url) for url in by_url]
+        decision = choose(loads, self.policy, self.rng)
+        self.prober.note_sent(decision.url)
+        self.prober.metrics.decisions.labels(decision.url, decision.reason).inc()
+        log.debug("routed to %s (%s) scores=%s", decision.url, decision.reason, decision.scores)
+        return by_url[decision.url]
+
+    async def async_get_available_deployment(self, model, messages=None, input=None, specific_deployment=False,
+                                             request_kwargs=None):
+        # LiteLLM's own filters: model group, cooldowns, deployments a retry must skip.
+        healthy = await self.router.async_get_healthy_deployments(
+            model=model, request_kwargs=request_kwargs if request_kwargs is not None else {},
+            messages=messages, input=input, specific_deployment=specific_deployment,
+        )
+        if isinstance(healthy, dict):  # the caller named one deployment
+            return healthy
+        return self.pick(healthy)
+
+    def get_available_deployment(self, model, messages=None, input=None, specific_deployment=False,
+                                 request_kwargs=None):
+        # The proxy's request path is async; LiteLLM's sync helpers still get a sensible answer.
+        model, healthy = self.router._common_checks_available_deployment(
+            model=model, messages=messages, input=input, specific_deployment=specific_deployment,
+            request_kwargs=request_kwargs or {},
+        )
+        if isinstance(healthy, dict):
+            return healthy
+        if not healthy:
+            raise ValueError(f"no deployments for model {model!r}")
+        return self.pick(healthy)
+
+
+class WorkerFailureListener(CustomLogger):
+    """Marks a worker down when a request to it could not connect (killed pod, closed port)."""
+
+    def __init__(self, prober: Prober):
+        super().__init__()
+        self.prober = prober
+
+    async def async_log_failure_event(self, kwargs, response_obj, start_time, end_time):
+        exc = kwargs.get("exception")
+        if not _is_connection_failure(exc):
+            return
+        params = kwargs.get("litellm_params") or {}
+        model_info = params.get("model_info") or {}
+        url = model_info.get(WORKER_URL_KEY)
+        if not url and params.get("api_base"):
+            url = params["api_base"].rstrip("/").removesuffix("/v1")
+        if url:
+            log.warning("request to %s failed to connect (%s); out until its probe answers", url, type(exc).__name__)
+            self.prober.note_failed(url)
+
+
+def _is_connection_failure(exc) -> bool:
+    import litellm
+
+    if exc is None:
+        return False
+    if isinstance(exc, litellm.APIConnectionError):
+        return True
+    text = str(exc)
+    return any(s in text for s in ("Connection refused", "ConnectError", "Connection reset", "Server disconnected"))
