@@ -1,0 +1,296 @@
+"""Paged attention in Triton: decode (split-KV, flash-decoding) and prefill / chunked prefill.
+
+GQA: the query heads that share one KV head are packed into the M rows of one tl.dot, so each
+K/V tile is read once per KV head and the tensor cores do the products. Layouts: see reference.py.
+"""
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _attend_tile(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head_k, kv_head_v, tok0,
+                 key_limit, kv_end, qk_scale, stride_kb, stride_ko, stride_vb, stride_vo, offs_d, d_mask,
+                 BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr, UPCAST: tl.constexpr):
+    """One online-softmax step over keys tok0 .. tok0+BLOCK_N of one sequence.
+
+    key_limit [M]: last key position each row may see (causal); kv_end: keys at or past it are not
+    loaded. MASK=False for tiles known to be fully visible to every row (no predicates at all).
+    """
+    offs_n = tok0 + tl.arange(0, BLOCK_N)
+    if MASK:
+        n_mask = offs_n < kv_end
+        block_ids = tl.load(block_table_ptr + offs_n // BLOCK_SIZE, mask=n_mask, other=0)
+    else:
+        block_ids = tl.load(block_table_ptr + offs_n // BLOCK_SIZE)
+    block_ids = block_ids.to(tl.int64)  # num_blocks * block stride can pass 2**31 elements
+    in_block = offs_n % BLOCK_SIZE
+    k_rows = block_ids * stride_kb + in_block * stride_ko + kv_head_k
+    v_rows = block_ids * stride_vb + in_block * stride_vo + kv_head_v
+    if MASK:
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_cache_ptr + k_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+    else:
+        k = tl.load(k_cache_ptr + k_rows[:, None] + offs_d[None, :], mask=d_mask[None, :], other=0.0)
+    if UPCAST:  # the interpreter mishandles half-precision arithmetic
+        k = k.to(tl.float32)
+    s = tl.dot(q, tl.trans(k)) * qk_scale  # [M, BLOCK_N], log2 domain
+    if MASK:
+        visible = (offs_n[None, :] <= key_limit[:, None]) & (offs_n[None, :] < kv_end)
+        s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    p = tl.exp2(s - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if MASK:
+        v = tl.load(v_cache_ptr + v_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+    else:
+        v = tl.load(v_cache_ptr + v_rows[:, None] + offs_d[None, :], mask=d_mask[None, :], other=0.0)
+    if UPCAST:
+        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32))
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return acc, m_new, l_i
+
+
+# ---------------------------------------------------------------- decode
+
+
+@triton.jit
+def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
+                   qk_scale, tokens_per_split, num_splits,
+                   stride_qb, stride_qh, stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh,
+                   stride_bt, stride_ob, stride_oh,
+                   GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+                   BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr):
+    """Program (seq, kv_head, split): the GROUP query heads of one KV head over one slice of its keys."""
+    seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    start = split * tokens_per_split
+    end = tl.minimum(start + tokens_per_split, seq_len)
+
+    offs_g = tl.arange(0, GROUP_PAD)
+    g_mask = offs_g < GROUP
+    heads = kv_head * GROUP + offs_g
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    d_mask = offs_d < HEAD_DIM
+    q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    acc = tl.full([GROUP_PAD, HEAD_DIM_PAD], 0.0, dtype=tl.float32)
+    m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
+    l_i = tl.full([GROUP_PAD], 0.0, dtype=tl.float32)
+    key_limit = tl.full([GROUP_PAD], 0, dtype=tl.int32) + end - 1
+    block_table = block_tables_ptr + seq * stride_bt
+    full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
+    for tok0 in range(start, full_end, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table, kv_head * stride_kh,
+                                     kv_head * stride_vh, tok0, key_limit, end, qk_scale, stride_kb, stride_ko,
+                                     stride_vb, stride_vo, offs_d, d_mask, BLOCK_SIZE, BLOCK_N, False, UPCAST)
+    if full_end < end:
+        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table, kv_head * stride_kh,
+                                     kv_head * stride_vh, full_end, key_limit, end, qk_scale, stride_kb, stride_ko,
+                                     stride_vb, stride_vo, offs_d, d_mask, BLOCK_SIZE, BLOCK_N, True, UPCAST)
+
+    out_mask = g_mask[:, None] & d_mask[None, :]
+    if SPLIT:  # unnormalised partials; an empty slice leaves m = -inf, l = 0, acc = 0
+        row = (seq * GROUP * tl.num_programs(1) + heads) * num_splits + split  # [B, H, splits] flattened
+        tl.store(part_acc_ptr + row[:, None] * HEAD_DIM_PAD + offs_d[None, :], acc, mask=out_mask)
+        tl.store(part_ml_ptr + row * 2, m_i, mask=g_mask)
+        tl.store(part_ml_ptr + row * 2 + 1, l_i, mask=g_mask)
+    else:
+        out = acc / l_i[:, None]
+        tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _decode_reduce_kernel(part_acc_ptr, part_ml_ptr, out_ptr, num_splits, num_heads, stride_ob, stride_oh,
+                          HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr):
+    """Program (seq, head): merge the split partials with their max-logit rescale."""
+    seq, head = tl.program_id(0), tl.program_id(1)
+    offs_s = tl.arange(0, SPLITS_PAD)
+    s_mask = offs_s < num_splits
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    d_mask = offs_d < HEAD_DIM
+    row = (seq * num_heads + head) * num_splits + offs_s
+    m = tl.load(part_ml_ptr + row * 2, mask=s_mask, other=float("-inf"))
+    l = tl.load(part_ml_ptr + row * 2 + 1, mask=s_mask, other=0.0)
+    acc = tl.load(part_acc_ptr + row[:, None] * HEAD_DIM_PAD + offs_d[None, :],
+                  mask=s_mask[:, None] & d_mask[None, :], other=0.0)
+    m_max = tl.max(m, axis=0)
+    w = tl.exp2(m - m_max)  # empty splits: exp2(-inf) = 0
+    out = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)
+    tl.store(out_ptr + seq * stride_ob + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
+
+
+_NUM_SMS = {}
+
+
+def _num_sms(device):
+    if device.type != "cuda":
+        return 132
+    if device.index not in _NUM_SMS:
+        _NUM_SMS[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _NUM_SMS[device.index]
+
+
+def decode_num_splits(num_seqs, num_kv_heads, max_seq_len, num_sms, min_tokens_per_split=256, waves=2):
+    """Split the keys only when (seq, kv_head) programs alone cannot keep every SM busy for `waves` rounds."""
+    base = num_seqs * num_kv_heads
+    want = triton.cdiv(num_sms * waves, base)
+    return max(1, min(want, triton.cdiv(max_seq_len, min_tokens_per_split), 64))
+
+
+def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale=None, max_seq_len=None, out=None,
+                           num_splits=None, block_n=None, num_warps=None, num_stages=None):
+    """q [B, H, D] (one token per sequence) -> [B, H, D]. seq_lens / block_tables stay on the device.
+
+    max_seq_len (host int) bounds the split size; defaults to the block table's width, so no sync.
+    """
+    B, H, D = q.shape
+    _, block_size, Hkv, _ = k_cache.shape
+    assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1 and q.stride(-1) == 1
+    group = H // Hkv
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    if max_seq_len is None:
+        max_seq_len = block_tables.shape[1] * block_size
+    out = torch.empty_like(q) if out is None else out
+    if B == 0:
+        return out
+    block_n = block_n or (64 if D <= 128 else 32)
+    if num_splits is None:
+        num_splits = decode_num_splits(B, Hkv, max_seq_len, _num_sms(q.device))
+    tokens_per_split = triton.cdiv(triton.cdiv(max(max_seq_len, 1), num_splits), block_n) * block_n
+    num_splits = triton.cdiv(max(max_seq_len, 1), tokens_per_split)
+    split = num_splits > 1
+    d_pad = triton.next_power_of_2(D)
+    if split:
+        part_acc = torch.empty(B * H * num_splits, d_pad, dtype=torch.float32, device=q.device)
+        part_ml = torch.empty(B * H * num_splits, 2, dtype=torch.float32, device=q.device)
+    else:
+        part_acc = part_ml = out  # unused
+    _decode_kernel[(B, Hkv, num_splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, out, part_acc, part_ml,
+        scale * LOG2E, tokens_per_split, num_splits,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1),
+        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=D, HEAD_DIM_PAD=d_pad,
+        BLOCK_SIZE=block_size, BLOCK_N=block_n, SPLIT=split, UPCAST=not q.is_cuda,
+        num_warps=num_warps or 4, num_stages=num_stages or 3)
+    if split:
+        _decode_reduce_kernel[(B, H)](part_acc, part_ml, out, num_splits, H, out.stride(0), out.stride(1),
+                                      HEAD_DIM=D, HEAD_DIM_PAD=d_pad,
+                                      SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)), num_warps=4)
+    return out
+
+
+# ---------------------------------------------------------------- prefill / chunked prefill / mixed
+
+
+@triton.jit
+def _find_seq(cu_seqlens_q_ptr, tile, num_seqs, BLOCK_Q: tl.constexpr):
+    """Sequence owning q tile `tile`, where sequence s's tiles start at cu_seqlens_q[s] // BLOCK_Q + s."""
+    lo = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        first_tile = tl.load(cu_seqlens_q_ptr + mid) // BLOCK_Q + mid
+        if first_tile <= tile:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, cu_seqlens_q_ptr, out_ptr,
+                    qk_scale, num_seqs,
+                    stride_qt, stride_qh, stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh,
+                    stride_bt, stride_ot, stride_oh,
+                    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+                    BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr):
+    """Program (q tile, kv_head): BLOCK_Q query tokens x GROUP heads (M = BLOCK_Q * GROUP_PAD rows)."""
+    BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
+    tile, kv_head = tl.program_id(0), tl.program_id(1)
+    seq = _find_seq(cu_seqlens_q_ptr, tile, num_seqs, BLOCK_Q)
+    q_start = tl.load(cu_seqlens_q_ptr + seq)
+    q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+    first_q = (tile - (q_start // BLOCK_Q + seq)) * BLOCK_Q  # first query of this tile, within its sequence
+    if first_q >= q_len:  # the grid is sized for the worst case; spare tiles exit
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    prefix = seq_len - q_len  # keys already cached before this step's tokens
+
+    offs_m = tl.arange(0, BLOCK_M)
+    tok = first_q + offs_m // GROUP_PAD
+    g = offs_m % GROUP_PAD
+    row_mask = (tok < q_len) & (g < GROUP)
+    heads = kv_head * GROUP + g
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    d_mask = offs_d < HEAD_DIM
+    q_rows = (q_start + tok).to(tl.int64) * stride_qt + heads * stride_qh
+    q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :], mask=row_mask[:, None] & d_mask[None, :], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    acc = tl.full([BLOCK_M, HEAD_DIM_PAD], 0.0, dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
+    key_limit = prefix + tok  # causal: the query at absolute position p sees keys <= p
+    block_table = block_tables_ptr + seq * stride_bt
+    # Keys up to the tile's first query position are visible to every row: no masks there.
+    full_end = (prefix + first_q + 1) // BLOCK_N * BLOCK_N
+    kv_end = tl.minimum(prefix + first_q + BLOCK_Q, seq_len)
+    for tok0 in range(0, full_end, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table, kv_head * stride_kh,
+                                     kv_head * stride_vh, tok0, key_limit, kv_end, qk_scale, stride_kb, stride_ko,
+                                     stride_vb, stride_vo, offs_d, d_mask, BLOCK_SIZE, BLOCK_N, False, UPCAST)
+    for tok0 in range(full_end, kv_end, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table, kv_head * stride_kh,
+                                     kv_head * stride_vh, tok0, key_limit, kv_end, qk_scale, stride_kb, stride_ko,
+                                     stride_vb, stride_vo, offs_d, d_mask, BLOCK_SIZE, BLOCK_N, True, UPCAST)
+
+    out = acc / l_i[:, None]
+    o_rows = (q_start + tok).to(tl.int64) * stride_ot + heads * stride_oh
+    tl.store(out_ptr + o_rows[:, None] + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=row_mask[:, None] & d_mask[None, :])
+
+
+def paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale=None, max_seq_len=None,
+                            out=None, block_m=None, block_n=None, num_warps=None, num_stages=None):
+    """Packed variable-length causal attention over the paged cache: q [T, H, D] -> [T, H, D].
+
+    Serves prefill, chunked prefill (a cached prefix plus new tokens) and mixed prefill + decode steps.
+    max_seq_len is accepted for symmetry with the decode launcher and is not needed.
+    """
+    T, H, D = q.shape
+    _, block_size, Hkv, _ = k_cache.shape
+    assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1 and q.stride(-1) == 1
+    group = H // Hkv
+    group_pad = triton.next_power_of_2(group)
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    out = torch.empty_like(q) if out is None else out
+    num_seqs = cu_seqlens_q.shape[0] - 1
+    if T == 0 or num_seqs == 0:
+        return out
+    block_m = block_m or 128
+    block_q = max(1, block_m // group_pad)
+    if block_q * group_pad < 16:  # tl.dot needs M >= 16
+        block_q = triton.cdiv(16, group_pad)
+    block_n = block_n or 64
+    num_tiles = T // block_q + num_seqs  # upper bound of sum(cdiv(q_len, block_q))
+    _prefill_kernel[(num_tiles, Hkv)](
+        q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out, scale * LOG2E, num_seqs,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1),
+        GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=D, HEAD_DIM_PAD=triton.next_power_of_2(D),
+        BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_N=block_n, UPCAST=not q.is_cuda,
+        num_warps=num_warps or (8 if block_q * group_pad >= 128 else 4), num_stages=num_stages or 3)
+    return out

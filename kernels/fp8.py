@@ -1,0 +1,55 @@
+"""FP8 (e4m3) linear: per-token dynamic activation quantisation in Triton + torch._scaled_mm.
+
+Weights are quantised once, per output channel (reference.quantize_weight_fp8); activations are
+quantised per token at run time, so one outlier token does not crush the others' resolution.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from .reference import FP8_MAX, quantize_weight_fp8  # noqa: F401  (re-exported)
+
+
+@triton.jit
+def _quant_per_token_kernel(x_ptr, q_ptr, scale_ptr, K, stride_xm, stride_qm, FP8_MAX: tl.constexpr,
+                            BLOCK: tl.constexpr):
+    """Program per row: pass 1 finds max|x|, pass 2 writes x / scale as e4m3 (the row stays in L1/L2)."""
+    row = tl.program_id(0).to(tl.int64)
+    amax = tl.full([BLOCK], 0.0, dtype=tl.float32)
+    for k0 in range(0, K, BLOCK):
+        cols = k0 + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + row * stride_xm + cols, mask=cols < K, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(x))
+    scale = tl.maximum(tl.max(amax, axis=0), 1e-12) / FP8_MAX
+    tl.store(scale_ptr + row, scale)
+    for k0 in range(0, K, BLOCK):
+        cols = k0 + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + row * stride_xm + cols, mask=cols < K, other=0.0).to(tl.float32)
+        y = tl.minimum(tl.maximum(x / scale, -FP8_MAX), FP8_MAX)
+        tl.store(q_ptr + row * stride_qm + cols, y.to(q_ptr.dtype.element_ty), mask=cols < K)
+
+
+def quantize_fp8_per_token(x):
+    """x [M, K] -> (e4m3 [M, K], fp32 scale [M, 1]), x ~= q * scale."""
+    M, K = x.shape
+    assert x.stride(-1) == 1
+    q = torch.empty(M, K, dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty(M, 1, dtype=torch.float32, device=x.device)
+    if M:
+        block = min(triton.next_power_of_2(K), 4096)
+        _quant_per_token_kernel[(M,)](x, q, scale, K, x.stride(0), q.stride(0), FP8_MAX=FP8_MAX, BLOCK=block,
+                                      num_warps=8 if block >= 2048 else 4)
+    return q, scale
+
+
+def fp8_linear(x, w_fp8, w_scale, bias=None, out_dtype=None):
+    """y = x @ W^T, W = w_fp8 [N, K] * w_scale [N] (fp32). x [..., K]; K and N multiples of 16.
+
+    _scaled_mm wants A row-major and B column-major: w_fp8 stored [N, K] row-major, so w_fp8.t() is.
+    """
+    out_dtype = out_dtype or x.dtype
+    x2 = x.reshape(-1, x.shape[-1])
+    xq, x_scale = quantize_fp8_per_token(x2)
+    y = torch._scaled_mm(xq, w_fp8.t(), scale_a=x_scale, scale_b=w_scale.view(1, -1).float(), bias=bias,
+                         out_dtype=out_dtype)
+    return y.reshape(*x.shape[:-1], w_fp8.shape[0])

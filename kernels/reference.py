@@ -1,0 +1,195 @@
+"""Plain-torch versions of every kernel in this package.
+
+They are the ground truth the Triton kernels are tested against, and the engine's CPU path,
+so they are vectorised over the batch where that is cheap. Layouts (the contract with the engine):
+  k_cache, v_cache  [num_blocks, block_size, num_kv_heads, head_dim]
+  slot_mapping      int64 [num_new_tokens], slot = block_id * block_size + offset, -1 = skip
+  block_tables      int32 [num_seqs, max_blocks_per_seq], padded with 0 or -1
+  seq_lens          int32 [num_seqs], tokens in the cache after this step's write
+  cu_seqlens_q      int32 [num_seqs + 1], start of each sequence's queries in the packed q
+"""
+import math
+
+import torch
+import torch.nn.functional as F
+
+# ---------------------------------------------------------------- KV cache
+
+
+def write_kv_cache(k, v, k_cache, v_cache, slot_mapping):
+    """Scatter this step's k/v [T, Hkv, D] into the paged cache at slot_mapping (in place)."""
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    block_size = k_cache.shape[1]
+    blocks, offsets = slots // block_size, slots % block_size
+    # Index assignment on (block, offset) works for non-contiguous caches too.
+    k_cache[blocks, offsets] = k[keep].to(k_cache.dtype)
+    v_cache[blocks, offsets] = v[keep].to(v_cache.dtype)
+
+
+# ---------------------------------------------------------------- attention
+
+
+def gather_kv(cache, block_table, length):
+    """Contiguous [length, Hkv, D] view of one sequence's cached keys or values."""
+    block_size = cache.shape[1]
+    num_blocks = (length + block_size - 1) // block_size
+    blocks = block_table[:num_blocks].long()
+    return cache[blocks].flatten(0, 1)[:length]
+
+
+def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale=None, max_seq_len=None, out=None):
+    """One query token per sequence: q [B, H, D] -> [B, H, D], batched over all sequences."""
+    B, H, D = q.shape
+    block_size, Hkv = k_cache.shape[1], k_cache.shape[2]
+    group = H // Hkv
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    if max_seq_len is None:
+        max_seq_len = int(seq_lens.max()) if B else 0
+    num_blocks = (max_seq_len + block_size - 1) // block_size
+    blocks = block_tables[:, :num_blocks].long().clamp(min=0)  # -1 padding -> any valid block, masked below
+    k = k_cache[blocks].flatten(1, 2).float()  # [B, L, Hkv, D]
+    v = v_cache[blocks].flatten(1, 2).float()
+    qg = q.float().view(B, Hkv, group, D)
+    scores = torch.einsum("bkgd,blkd->bkgl", qg, k) * scale  # [B, Hkv, G, L]
+    positions = torch.arange(k.shape[1], device=q.device)
+    invalid = positions[None, :] >= seq_lens[:, None].long()  # [B, L]
+    scores.masked_fill_(invalid[:, None, None, :], float("-inf"))
+    probs = scores.softmax(dim=-1)
+    o = torch.einsum("bkgl,blkd->bkgd", probs, v).reshape(B, H, D).to(q.dtype)
+    return o if out is None else out.copy_(o)
+
+
+def paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale=None, max_seq_len=None,
+                            out=None):
+    """Variable-length causal attention over the paged cache: q [T, H, D] packed -> [T, H, D].
+
+    Sequence s owns q rows cu_seqlens_q[s]:cu_seqlens_q[s+1]; they are its last q_len positions,
+    so query i sits at absolute position seq_len - q_len + i and sees cache positions <= that.
+    """
+    T, H, D = q.shape
+    Hkv = k_cache.shape[2]
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    out = torch.empty_like(q) if out is None else out
+    starts, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
+    for s, seq_len in enumerate(lens):
+        q0, q1 = starts[s], starts[s + 1]
+        q_len = q1 - q0
+        if q_len == 0:
+            continue
+        k = gather_kv(k_cache, block_tables[s], seq_len).float()  # [L, Hkv, D]
+        v = gather_kv(v_cache, block_tables[s], seq_len).float()
+        k = k.repeat_interleave(H // Hkv, dim=1).transpose(0, 1)  # [H, L, D]
+        v = v.repeat_interleave(H // Hkv, dim=1).transpose(0, 1)
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
+        visible = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]  # [q_len, L]
+        o = F.scaled_dot_product_attention(q[q0:q1].float().transpose(0, 1), k, v, attn_mask=visible, scale=scale)
+        out[q0:q1] = o.transpose(0, 1).to(q.dtype)
+    return out
+
+
+# ---------------------------------------------------------------- norms, activation
+
+
+def rms_norm(x, weight, eps=1e-6):
+    """LlamaRMSNorm over the last dim, for any leading shape (also Qwen3's per-head q/k norm)."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def fused_add_rms_norm(x, residual, weight, eps=1e-6):
+    """(rms_norm(x + residual), x + residual); the sum is rounded to the model dtype first, as HF does."""
+    new_residual = x + residual
+    return rms_norm(new_residual, weight, eps), new_residual
+
+
+def silu_and_mul(x):
+    """x [..., 2I] -> silu(x[..., :I]) * x[..., I:], computed in fp32, rounded once."""
+    gate, up = x.float().chunk(2, dim=-1)
+    return (F.silu(gate) * up).to(x.dtype)
+
+
+# ---------------------------------------------------------------- RoPE
+
+
+def rope_inv_freq(rotary_dim, base, rope_scaling=None):
+    """Inverse frequencies [rotary_dim // 2], with the scaling transformers applies for this rope_type."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
+    rope_type = (rope_scaling or {}).get("rope_type", (rope_scaling or {}).get("type", "default"))
+    if rope_type == "default":
+        return inv_freq
+    if rope_type == "linear":
+        return inv_freq / rope_scaling["factor"]
+    if rope_type != "llama3":
+        raise ValueError(f"unsupported rope_type {rope_type!r}")
+    # transformers' _compute_llama3_parameters: long wavelengths slowed by `factor`, short ones kept,
+    # the band between blended smoothly.
+    factor = rope_scaling["factor"]
+    low_freq_factor = rope_scaling["low_freq_factor"]
+    high_freq_factor = rope_scaling["high_freq_factor"]
+    old_context_len = rope_scaling["original_max_position_embeddings"]
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    inv_freq_llama = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * inv_freq_llama / factor + smooth * inv_freq_llama
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, inv_freq_llama)
+
+
+def rope_cos_sin_cache(head_dim, max_pos, base=10000.0, rope_scaling=None, dtype=torch.float32, device=None):
+    """[max_pos, rotary_dim]: cos in the first half, sin in the second (vLLM's layout).
+
+    head_dim here is the rotary dim; pass a smaller one for partial rotary.
+    """
+    inv_freq = rope_inv_freq(head_dim, base, rope_scaling)
+    freqs = torch.outer(torch.arange(max_pos, dtype=torch.float32), inv_freq)
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(dtype=dtype, device=device)
+
+
+def _rope_one(x, cos, sin):
+    rot = cos.shape[-1] * 2
+    xf = x.float()
+    x1, x2, rest = xf[..., : rot // 2], xf[..., rot // 2 : rot], xf[..., rot:]
+    out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], dim=-1)
+    return out.to(x.dtype)
+
+
+def apply_rope(q, k, positions, cos_sin_cache, inplace=False):
+    """Neox (rotate-half) RoPE: q [T, H, D], k [T, Hkv, D] -> rotated copies (fp32 math, rounded once)."""
+    cos, sin = cos_sin_cache[positions].float().unsqueeze(1).chunk(2, dim=-1)  # [T, 1, rot/2] each
+    q_rot, k_rot = _rope_one(q, cos, sin), _rope_one(k, cos, sin)
+    if inplace:
+        return q.copy_(q_rot), k.copy_(k_rot)
+    return q_rot, k_rot
+
+
+# ---------------------------------------------------------------- FP8
+
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+def quantize_fp8_per_token(x):
+    """x [M, K] -> (e4m3 [M, K], fp32 scale [M, 1]) with x ~= q * scale."""
+    amax = x.float().abs().amax(dim=-1, keepdim=True).clamp(min=1e-12)
+    scale = amax / FP8_MAX
+    q = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def quantize_weight_fp8(w):
+    """Weight [N, K] -> (e4m3 [N, K], fp32 per-output-channel scale [N])."""
+    q, scale = quantize_fp8_per_token(w)
+    return q, scale.squeeze(-1)
+
+
+def fp8_linear(x, w_fp8, w_scale, bias=None, out_dtype=None):
+    """y = x @ W^T with W = w_fp8 * w_scale[:, None], x quantised per token: dequantise and matmul in fp32."""
+    out_dtype = out_dtype or x.dtype
+    xq, x_scale = quantize_fp8_per_token(x.reshape(-1, x.shape[-1]))
+    y = (xq.float() * x_scale) @ (w_fp8.float() * w_scale.float()[:, None]).t()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(out_dtype).reshape(*x.shape[:-1], w_fp8.shape[0])

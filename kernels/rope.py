@@ -1,0 +1,72 @@
+"""Rotary position embedding (neox / rotate-half layout) in Triton.
+
+The cos/sin cache comes from reference.rope_cos_sin_cache, which folds llama3 scaling into the
+inverse frequencies, so this kernel knows nothing of rope types.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from .reference import rope_cos_sin_cache  # noqa: F401  (re-exported: the engine builds the cache here)
+
+
+@triton.jit
+def _rope_rows(x_ptr, out_ptr, token, cos, sin, num_heads, stride_xt, stride_xh, stride_ot, stride_oh,
+               HEAD_DIM: tl.constexpr, HALF_ROT: tl.constexpr, HEADS_PAD: tl.constexpr, HALF_PAD: tl.constexpr,
+               PASS_PAD: tl.constexpr):
+    """Rotate all heads of one token: [heads, HALF_ROT] pairs (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)."""
+    heads = tl.arange(0, HEADS_PAD)
+    offs = tl.arange(0, HALF_PAD)
+    mask = (heads[:, None] < num_heads) & (offs[None, :] < HALF_ROT)
+    src = x_ptr + token * stride_xt + heads[:, None] * stride_xh  # [heads, 1] row starts
+    dst = out_ptr + token * stride_ot + heads[:, None] * stride_oh
+    x1 = tl.load(src + offs[None, :], mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF_ROT + offs[None, :], mask=mask, other=0.0).to(tl.float32)
+    tl.store(dst + offs[None, :], (x1 * cos[None, :] - x2 * sin[None, :]).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst + HALF_ROT + offs[None, :], (x2 * cos[None, :] + x1 * sin[None, :]).to(out_ptr.dtype.element_ty),
+             mask=mask)
+    if PASS_PAD > 0:  # partial rotary: the dims past the rotary part are copied unchanged
+        rest = 2 * HALF_ROT + tl.arange(0, PASS_PAD)
+        rmask = (heads[:, None] < num_heads) & (rest[None, :] < HEAD_DIM)
+        tl.store(dst + rest[None, :], tl.load(src + rest[None, :], mask=rmask), mask=rmask)
+
+
+@triton.jit
+def _rope_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, positions_ptr, cache_ptr, num_q_heads, num_k_heads,
+                 stride_qt, stride_qh, stride_kt, stride_kh, stride_qot, stride_qoh, stride_kot, stride_koh,
+                 stride_cache, HEAD_DIM: tl.constexpr, HALF_ROT: tl.constexpr, Q_HEADS_PAD: tl.constexpr,
+                 K_HEADS_PAD: tl.constexpr, HALF_PAD: tl.constexpr, PASS_PAD: tl.constexpr):
+    """One token per program: q and k share its cos/sin row, read once."""
+    token = tl.program_id(0).to(tl.int64)
+    pos = tl.load(positions_ptr + token)
+    offs = tl.arange(0, HALF_PAD)
+    cmask = offs < HALF_ROT
+    cos = tl.load(cache_ptr + pos * stride_cache + offs, mask=cmask, other=0.0).to(tl.float32)
+    sin = tl.load(cache_ptr + pos * stride_cache + HALF_ROT + offs, mask=cmask, other=0.0).to(tl.float32)
+    _rope_rows(q_ptr, q_out_ptr, token, cos, sin, num_q_heads, stride_qt, stride_qh, stride_qot, stride_qoh,
+               HEAD_DIM, HALF_ROT, Q_HEADS_PAD, HALF_PAD, PASS_PAD)
+    _rope_rows(k_ptr, k_out_ptr, token, cos, sin, num_k_heads, stride_kt, stride_kh, stride_kot, stride_koh,
+               HEAD_DIM, HALF_ROT, K_HEADS_PAD, HALF_PAD, PASS_PAD)
+
+
+def apply_rope(q, k, positions, cos_sin_cache, inplace=False):
+    """q [T, H, D], k [T, Hkv, D], positions int64 [T], cos_sin_cache [max_pos, rot] -> (q, k) rotated.
+
+    rot < D is partial rotary (the tail of each head passes through). inplace=True writes back into q, k.
+    """
+    T, H, D = q.shape
+    Hkv = k.shape[1]
+    rot = cos_sin_cache.shape[-1]
+    assert rot % 2 == 0 and rot <= D and q.stride(-1) == 1 and k.stride(-1) == 1
+    q_out, k_out = (q, k) if inplace else (torch.empty_like(q), torch.empty_like(k))
+    if T == 0:
+        return q_out, k_out
+    half = rot // 2
+    _rope_kernel[(T,)](
+        q, k, q_out, k_out, positions, cos_sin_cache, H, Hkv,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), q_out.stride(0), q_out.stride(1),
+        k_out.stride(0), k_out.stride(1), cos_sin_cache.stride(0),
+        HEAD_DIM=D, HALF_ROT=half, Q_HEADS_PAD=triton.next_power_of_2(H), K_HEADS_PAD=triton.next_power_of_2(Hkv),
+        HALF_PAD=triton.next_power_of_2(half), PASS_PAD=triton.next_power_of_2(D - rot) if D > rot else 0,
+        num_warps=4)
+    return q_out, k_out

@@ -1,0 +1,114 @@
+"""Triton kernels against their references under the Triton interpreter (tiny shapes, fp32 / fp16).
+
+Runs only with TRITON_INTERPRET=1 set before Python starts: test_kernels.py launches it that way in a
+child process. Directly: TRITON_INTERPRET=1 python -m pytest -q tests/test_kernels_triton.py
+"""
+import os
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="interpreter tests: run by test_kernels.py in a child process")
+if os.environ.get("TRITON_INTERPRET") == "1":
+    triton = pytest.importorskip("triton")
+    from pagefleet.kernels import activation, attention, fp8, kv_cache, norm, rope
+    TK = {"attention": attention, "kv_cache": kv_cache, "norm": norm, "rope": rope, "activation": activation,
+          "fp8": fp8}
+
+from pagefleet.kernels import reference as ref
+from test_kernels import DTYPES, close, make_paged
+
+# ---------------------------------------------------------------- Triton (interpreter) against references
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_triton_write_kv_cache(dtype):
+    gen = torch.Generator().manual_seed(2)
+    qkv = torch.randn(5, 3 * 2 * 16, generator=gen).to(dtype)  # k, v as strided views of a fused qkv
+    k, v = qkv[:, 32:64].view(5, 2, 16), qkv[:, 64:].view(5, 2, 16)
+    slots = torch.tensor([17, -1, 3, 40, -1])
+    caches = [torch.randn(4, 16, 2, 16, generator=gen).to(dtype) for _ in range(2)]
+    expected = [c.clone() for c in caches]
+    TK["kv_cache"].write_kv_cache(k, v, caches[0], caches[1], slots)
+    ref.write_kv_cache(k, v, expected[0], expected[1], slots)
+    assert torch.equal(caches[0], expected[0]) and torch.equal(caches[1], expected[1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("group", [1, 4])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_triton_decode_attention(dtype, group, num_splits):
+    gen = torch.Generator().manual_seed(3)
+    lens = [1, 50, 16, 33]  # one token, several blocks, an exact block, a partial tail
+    k_cache, v_cache, bt, seq_lens = make_paged(lens, 2, 32, 16, dtype, gen)
+    q = torch.randn(len(lens), 2 * group, 32, generator=gen).to(dtype)
+    expected = ref.paged_decode_attention(q.float(), k_cache.float(), v_cache.float(), bt, seq_lens)
+    out = torch.full_like(q, float("nan"))  # poisoned: every element must be written
+    TK["attention"].paged_decode_attention(q, k_cache, v_cache, bt, seq_lens, out=out, num_splits=num_splits,
+                                           block_n=16)
+    close(out, expected, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("group", [1, 4])
+def test_triton_prefill_attention(dtype, group):
+    gen = torch.Generator().manual_seed(4)
+    lens, q_lens = [21, 45, 6, 17], [21, 12, 1, 0]  # prefill, chunk after a cached prefix, decode, idle
+    k_cache, v_cache, bt, seq_lens = make_paged(lens, 2, 32, 16, dtype, gen)
+    cu = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32)
+    q = torch.randn(sum(q_lens), 2 * group, 32, generator=gen).to(dtype)
+    expected = ref.paged_prefill_attention(q.float(), k_cache.float(), v_cache.float(), bt, seq_lens, cu)
+    out = torch.full_like(q, float("nan"))
+    TK["attention"].paged_prefill_attention(q, k_cache, v_cache, bt, seq_lens, cu, out=out, block_m=16, block_n=16)
+    close(out, expected, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_triton_rms_norm(dtype):
+    gen = torch.Generator().manual_seed(5)
+    w = torch.randn(48, generator=gen).to(dtype)
+    x = torch.randn(6, 48, generator=gen).to(dtype)
+    close(TK["norm"].rms_norm(x, w, 1e-5), ref.rms_norm(x, w, 1e-5), dtype)
+    qkv = torch.randn(3, 5 * 48, generator=gen).to(dtype)  # per-head q norm on a strided [T, H, D] view
+    q = qkv[:, : 4 * 48].view(3, 4, 48)
+    close(TK["norm"].rms_norm(q, w), ref.rms_norm(q, w), dtype)
+    r = torch.randn(6, 48, generator=gen).to(dtype)
+    normed, new_res = TK["norm"].fused_add_rms_norm(x, r, w, 1e-5)
+    exp_normed, exp_res = ref.fused_add_rms_norm(x, r, w, 1e-5)
+    close(normed, exp_normed, dtype)
+    assert torch.equal(new_res, exp_res)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rot", [32, 16])  # full and partial rotary
+def test_triton_rope(dtype, rot):
+    gen = torch.Generator().manual_seed(6)
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
+    cache = ref.rope_cos_sin_cache(rot, 256, 10000.0, scaling)
+    qkv = torch.randn(7, 6 * 32, generator=gen).to(dtype)
+    q, k = qkv[:, : 4 * 32].view(7, 4, 32), qkv[:, 4 * 32 : 5 * 32].view(7, 1, 32)
+    pos = torch.randint(0, 256, (7,), generator=gen)
+    got, expected = TK["rope"].apply_rope(q, k, pos, cache), ref.apply_rope(q, k, pos, cache)
+    close(got[0], expected[0], dtype)
+    close(got[1], expected[1], dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_triton_silu_and_mul(dtype):
+    x = torch.randn(5, 2 * 40, generator=torch.Generator().manual_seed(7)).to(dtype)
+    close(TK["activation"].silu_and_mul(x), ref.silu_and_mul(x), dtype)
+
+
+def test_triton_fp8_quantize():
+    x = torch.randn(4, 80, generator=torch.Generator().manual_seed(8)) * torch.tensor([[1.0], [10], [0.01], [3]])
+    q, scale = TK["fp8"].quantize_fp8_per_token(x)
+    q_ref, scale_ref = ref.quantize_fp8_per_token(x)
+    assert torch.equal(scale, scale_ref)
+    # The interpreter's fp32 -> e4m3 cast truncates values just under a power of two (124 -> 64, not 128);
+    # GPUs round to nearest. Allow exactly that case here; the GPU test demands equality.
+    a, b = q.float(), q_ref.float()
+    off = a != b
+    assert off.float().mean() < 0.1
+    assert torch.equal(a[off] * 2, b[off]) and torch.equal(torch.log2(b[off].abs()).round(), torch.log2(b[off].abs()))
