@@ -60,12 +60,11 @@ class Kube:
         headers = {"Accept": "application/json"}
         if content_type:
             headers["Content-Type"] = content_type
-        # In-cluster tokens rotate: the loader's hook re-reads the projected token file.
-        if self.configuration.refresh_api_key_hook is not None:
-            self.configuration.refresh_api_key_hook(self.configuration)
-        token = self.configuration.get_api_key_with_prefix("authorization")
-        if token:
-            headers["Authorization"] = token
+        # The client library's own view of the credentials: bearer tokens (in-cluster ones are
+        # re-read by its refresh hook as they rotate); client certificates are in the TLS context.
+        for setting in self.configuration.auth_settings().values():
+            if setting.get("in") == "header" and setting.get("value"):
+                headers[setting["key"]] = setting["value"]
         return headers
 
     def request(self, method: str, path: str, *, params: Mapping[str, Any] | None = None,
