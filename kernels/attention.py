@@ -71,7 +71,9 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_p
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
     start = split * tokens_per_split
-    end = tl.minimum(start + tokens_per_split, seq_len)
+    # The last split runs to seq_len whatever max_seq_len said, so a stale hint (a CUDA graph captured
+    # at a shorter length) costs balance, never correctness.
+    end = tl.where(split == num_splits - 1, seq_len, tl.minimum(start + tokens_per_split, seq_len))
 
     offs_g = tl.arange(0, GROUP_PAD)
     g_mask = offs_g < GROUP
@@ -197,8 +199,8 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale=No
 @triton.jit
 def _find_seq(cu_seqlens_q_ptr, tile, num_seqs, BLOCK_Q: tl.constexpr):
     """Sequence owning q tile `tile`, where sequence s's tiles start at cu_seqlens_q[s] // BLOCK_Q + s."""
-    lo = 0
-    hi = num_seqs
+    lo: tl.int32 = 0  # typed: the loop-carried value must not change type when compiled
+    hi: tl.int32 = num_seqs
     while lo < hi:
         mid = (lo + hi) // 2
         first_tile = tl.load(cu_seqlens_q_ptr + mid) // BLOCK_Q + mid

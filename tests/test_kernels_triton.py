@@ -50,6 +50,17 @@ def test_triton_decode_attention(dtype, group, num_splits):
     close(out, expected, dtype)
 
 
+def test_triton_decode_stale_max_seq_len():
+    """A max_seq_len hint shorter than the real lengths (a CUDA graph captured earlier) stays correct."""
+    gen = torch.Generator().manual_seed(9)
+    k_cache, v_cache, bt, seq_lens = make_paged([70, 9], 1, 16, 16, torch.float32, gen)
+    q = torch.randn(2, 4, 16, generator=gen)
+    expected = ref.paged_decode_attention(q, k_cache, v_cache, bt, seq_lens)
+    out = TK["attention"].paged_decode_attention(q, k_cache, v_cache, bt, seq_lens, max_seq_len=20, num_splits=2,
+                                                 block_n=16)
+    close(out, expected, torch.float32)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("group", [1, 4])
 def test_triton_prefill_attention(dtype, group):
