@@ -180,6 +180,8 @@ class _Generation:
         for engine_id, done in zip(self.engine_ids, self.done):
             if not done:
                 self.state.engine.abort(engine_id)
+                for _ in range(self.params.n):
+                    self.state.metrics.request_finished("abort")
         self.state.num_in_flight -= 1
         self.state.generations.discard(self)
         self.queue.put_nowait((None, _CLOSED))
@@ -537,7 +539,11 @@ def run(args: argparse.Namespace) -> int:
     if args.max_queue < 1:
         print("pagefleet serve: --max-queue must be at least 1")
         return 2
-    engine = AsyncLLMEngine(config)
+    try:
+        engine = AsyncLLMEngine(config)
+    except ValueError as e:  # a bad model folder or a setting the model cannot take: say so, no traceback
+        print(f"pagefleet serve: {e}")
+        return 2
     try:
         app = build_app(engine, args.served_model_name, args.api_key, args.max_queue)
         uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,

@@ -1,0 +1,74 @@
+"""Paged attention as a layer: write this step's K/V into the cache, then attend through the block tables.
+
+The step's metadata (slot mapping, block tables, sequence lengths, query offsets) is set once per
+forward by the model runner; every layer reads the same context, as nano-vllm does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from pagefleet.worker import ops
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # int64 [num_tokens], -1 = padding
+    block_tables: torch.Tensor  # int32 [num_seqs, max_blocks]
+    seq_lens: torch.Tensor  # int32 [num_seqs], cached tokens after this step's write
+    cu_seqlens_q: torch.Tensor  # int32 [num_seqs + 1]
+    max_seq_len: int  # host copy of seq_lens.max(), so kernels need no device sync
+    is_decode: bool  # every sequence has exactly one new token
+
+
+_context: AttentionMetadata | None = None
+
+
+def set_attention_metadata(meta: AttentionMetadata | None) -> None:
+    global _context
+    _context = meta
+
+
+def get_attention_metadata() -> AttentionMetadata:
+    assert _context is not None, "attention called outside a model-runner step"
+    return _context
+
+
+class PagedAttention(nn.Module):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
+        # Bound by the model runner after the KV cache is sized: views into one big allocation.
+        self.k_cache = torch.empty(0)
+        self.v_cache = torch.empty(0)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [T, H, D], k/v [T, Hkv, D] -> [T, H * D]."""
+        meta = get_attention_metadata()
+        if self.k_cache.numel():  # the profiling run has no cache
+            ops.write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+            if meta.is_decode:
+                out = ops.paged_decode_attention(q, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens, self.scale, meta.max_seq_len)
+            else:
+                out = ops.paged_prefill_attention(
+                    q, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q, self.scale, meta.max_seq_len
+                )
+        else:
+            out = _attend_without_cache(q, k, v, meta, self.scale)
+        return out.reshape(q.shape[0], self.num_heads * self.head_dim)
+
+
+def _attend_without_cache(q, k, v, meta, scale):
+    """Memory-profiling pass before the cache exists: causal attention within each packed sequence."""
+    out = torch.empty_like(q)
+    starts = meta.cu_seqlens_q.tolist()
+    group = q.shape[1] // k.shape[1]
+    for s in range(len(starts) - 1):
+        a, b = starts[s], starts[s + 1]
+        qs, ks, vs = (t[a:b].transpose(0, 1) for t in (q, k, v))
+        ks, vs = ks.repeat_interleave(group, 0), vs.repeat_interleave(group, 0)
+        out[a:b] = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale).transpose(0, 1)
+    return out

@@ -1,0 +1,50 @@
+"""Incremental detokenisation and stop strings, across token boundaries.
+
+Decoding a window of a few tokens before the new ones keeps leading spaces and multi-byte characters
+right (the same trick vLLM and TGI use); a stop string is searched only where new text could complete it.
+"""
+
+from __future__ import annotations
+
+from pagefleet.worker.sequence import Sequence
+
+
+def update_text(tokenizer, seq: Sequence) -> str:
+    """Append the text of the new tokens to seq.text; returns the new piece."""
+    skip = seq.params.skip_special_tokens
+    ids = seq.token_ids
+    prefix_text = tokenizer.decode(ids[seq.prefix_offset : seq.read_offset], skip_special_tokens=skip)
+    new_text = tokenizer.decode(ids[seq.prefix_offset :], skip_special_tokens=skip)
+    if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
+        return ""  # an incomplete UTF-8 character: wait for the next token
+    piece = new_text[len(prefix_text) :]
+    seq.prefix_offset, seq.read_offset = seq.read_offset, len(ids)
+    seq.text += piece
+    return piece
+
+
+def find_stop(seq: Sequence, piece: str) -> str | None:
+    """If a stop string now appears, cut the text before it and return it."""
+    if not piece:
+        return None
+    for stop in seq.params.stop:
+        # only where the new piece could have completed it
+        start = max(len(seq.text) - len(piece) - len(stop) + 1, 0)
+        at = seq.text.find(stop, start)
+        if at != -1:
+            seq.text = seq.text[:at]
+            return stop
+    return None
+
+
+def visible_text(seq: Sequence) -> str:
+    """What may be shown while running: hold back a tail that could still become a stop string."""
+    if seq.is_finished or not seq.params.stop:
+        return seq.text
+    text, hold = seq.text, 0
+    for stop in seq.params.stop:
+        for k in range(min(len(stop) - 1, len(text)), hold, -1):  # the longest tail that starts a stop string
+            if text.endswith(stop[:k]):
+                hold = k
+                break
+    return text[: len(text) - hold]

@@ -1,0 +1,177 @@
+"""One forward step on the device: the step's tensors, the model, CUDA graphs for decode, the sampler.
+
+Builds input ids, positions, slot mapping and block tables from the scheduled batch, runs the model
+(eager for prefill and mixed steps, a replayed CUDA graph for pure decode steps), and samples.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+from pagefleet.worker import ops
+from pagefleet.worker.attention import AttentionMetadata, set_attention_metadata
+from pagefleet.worker.config import EngineConfig
+from pagefleet.worker.kv_cache import KVCache, size_kv_cache
+from pagefleet.worker.loader import build_model
+from pagefleet.worker.models import ModelConfig
+from pagefleet.worker.sampler import Sampler
+from pagefleet.worker.scheduler import ScheduledBatch
+from pagefleet.worker.sequence import Sequence
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, model_dtype: str, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type == "cpu":
+        return torch.float32  # fastest and exact on CPU
+    return _DTYPES.get(model_dtype, torch.bfloat16) if model_dtype != "float32" else torch.bfloat16
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, model_path, max_model_len: int):
+        self.config = config
+        self.model_config = model_config
+        self.max_model_len = max_model_len
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, model_config.dtype, self.device)
+        torch.manual_seed(config.seed)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        else:
+            # Oversubscribed OpenMP threads spin and slow small GEMMs several-fold: leave cores free.
+            torch.set_num_threads(config.cpu_threads or max(1, (os.cpu_count() or 2) // 2))
+        ops.use_triton(self.device.type == "cuda")
+        start = time.time()
+        self.model = build_model(model_config, model_path, self.dtype, self.device)
+        if config.quantization == "fp8":
+            from pagefleet.worker.fp8 import quantize_model_fp8
+
+            quantize_model_fp8(self.model)
+        self.load_seconds = time.time() - start
+        self.sampler = Sampler(self.device, config.seed, model_config.eos_token_ids)
+        self.block_size = config.block_size
+        self.max_blocks_per_seq = -(-max_model_len // self.block_size)
+        num_blocks = size_kv_cache(self, config, model_config)
+        self.kv = KVCache(model_config, num_blocks, self.block_size, self.dtype, self.device)
+        self.kv.bind(self.model)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        if self.device.type == "cuda" and not config.enforce_eager:
+            self._capture_graphs()
+
+    # ---- step
+
+    def prepare(self, batch: ScheduledBatch):
+        bs = self.block_size
+        input_ids, positions, slots = [], [], []
+        seq_lens, cu, logits_rows = [], [0], []
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            start = seq.num_computed_tokens
+            end = start + n
+            input_ids += seq.token_ids[start:end]
+            positions += range(start, end)
+            table = seq.block_table
+            slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
+            seq_lens.append(end)
+            cu.append(cu[-1] + n)
+            if end == seq.num_tokens:  # the prompt is done (or this is a decode): this row samples
+                logits_rows.append(cu[-1] - 1)
+        width = max(-(-length // bs) for length in seq_lens)
+        tables = [s.block_table[:width] + [0] * (width - min(len(s.block_table), width)) for s in batch.seqs]
+        return input_ids, positions, slots, seq_lens, cu, tables, logits_rows
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch) -> torch.Tensor:
+        """Forward the scheduled tokens; returns logits [rows, vocab] for the sequences that sample."""
+        if batch.copies:
+            self.kv.copy_blocks(batch.copies)
+        input_ids, positions, slots, seq_lens, cu, tables, logits_rows = self.prepare(batch)
+        n = len(batch.seqs)
+        is_decode = len(input_ids) == n
+        if is_decode and self.graphs and n <= self.max_graph_batch:
+            hidden = self._replay(input_ids, positions, slots, seq_lens, tables)
+        else:
+            dev = self.device
+            meta = AttentionMetadata(
+                slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+                block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
+                seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+                cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
+                max_seq_len=max(seq_lens),
+                is_decode=is_decode,
+            )
+            set_attention_metadata(meta)
+            hidden = self.model(torch.tensor(input_ids, dtype=torch.long, device=dev), torch.tensor(positions, dtype=torch.long, device=dev))
+            set_attention_metadata(None)
+        rows = hidden if len(logits_rows) == hidden.shape[0] else hidden[torch.tensor(logits_rows, device=self.device)]
+        return self.model.compute_logits(rows)
+
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]):
+        return self.sampler.sample(logits, seqs)
+
+    # ---- CUDA graphs for decode
+
+    def _graph_batch_sizes(self) -> list[int]:
+        top = min(self.config.max_num_seqs, 512)
+        sizes = [b for b in (1, 2, 4, 8) if b <= top] + list(range(16, top + 1, 16))
+        if sizes[-1] != top:
+            sizes.append(top)
+        return sizes
+
+    @torch.inference_mode()
+    def _capture_graphs(self) -> None:
+        start = time.time()
+        sizes = self._graph_batch_sizes()
+        self.max_graph_batch = sizes[-1]
+        m, dev = self.max_graph_batch, self.device
+        self.static = {
+            "input_ids": torch.zeros(m, dtype=torch.long, device=dev),
+            "positions": torch.zeros(m, dtype=torch.long, device=dev),
+            "slot_mapping": torch.full((m,), -1, dtype=torch.long, device=dev),
+            "seq_lens": torch.ones(m, dtype=torch.int32, device=dev),
+            "block_tables": torch.zeros(m, self.max_blocks_per_seq, dtype=torch.int32, device=dev),
+            "cu_seqlens_q": torch.arange(m + 1, dtype=torch.int32, device=dev),
+        }
+        self.graph_out: dict[int, torch.Tensor] = {}
+        pool = None
+        s = self.static
+        for bs in reversed(sizes):  # largest first, so smaller graphs reuse its memory pool
+            meta = AttentionMetadata(s["slot_mapping"][:bs], s["block_tables"][:bs], s["seq_lens"][:bs], s["cu_seqlens_q"][: bs + 1], self.max_model_len, True)
+            set_attention_metadata(meta)
+            self.model(s["input_ids"][:bs], s["positions"][:bs])  # warm-up: Triton compiles outside the capture
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool):
+                self.graph_out[bs] = self.model(s["input_ids"][:bs], s["positions"][:bs])
+            pool = graph.pool() if pool is None else pool
+            self.graphs[bs] = graph
+            set_attention_metadata(None)
+        torch.cuda.synchronize()
+        self.graph_sizes = sizes
+        self.capture_seconds = time.time() - start
+        print(f"pagefleet: captured {len(sizes)} decode CUDA graphs (batch 1..{m}) in {self.capture_seconds:.1f}s", flush=True)
+
+    def _replay(self, input_ids, positions, slots, seq_lens, tables) -> torch.Tensor:
+        n = len(input_ids)
+        bs = next(b for b in self.graph_sizes if b >= n)
+        s = self.static
+        # One pinned host buffer -> device copy per tensor; padding rows write nowhere (slot -1).
+        s["input_ids"][:n].copy_(torch.tensor(input_ids), non_blocking=True)
+        s["positions"][:n].copy_(torch.tensor(positions), non_blocking=True)
+        s["slot_mapping"][:n].copy_(torch.tensor(slots), non_blocking=True)
+        s["slot_mapping"][n:bs].fill_(-1)
+        s["seq_lens"][:n].copy_(torch.tensor(seq_lens, dtype=torch.int32), non_blocking=True)
+        s["seq_lens"][n:bs].fill_(1)
+        width = len(tables[0])
+        s["block_tables"][:n, :width].copy_(torch.tensor(tables, dtype=torch.int32), non_blocking=True)
+        self.graphs[bs].replay()
+        return self.graph_out[bs][:n]

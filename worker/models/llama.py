@@ -1,0 +1,171 @@
+"""Llama-family decoder (Llama 2/3 with llama3 RoPE scaling, SmolLM2, Mistral) over the paged KV cache.
+
+q/k/v and gate/up are packed into one GEMM each; checkpoint tensors are mapped into their shards.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+
+from pagefleet.kernels.reference import rope_cos_sin_cache
+from pagefleet.worker import ops
+from pagefleet.worker.attention import PagedAttention
+from pagefleet.worker.models import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            return ops.rms_norm(x, self.weight, self.eps)
+        return ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, qk_norm: bool = False):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None  # Qwen3
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, cos_sin_cache: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = ops.apply_rope(q, k, positions, cos_sin_cache)
+        return self.o_proj(self.attn(q, k, v))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, qk_norm: bool = False):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, qk_norm)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, positions, hidden, residual, cos_sin_cache):
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, cos_sin_cache)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, config: ModelConfig, qk_norm: bool = False):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, qk_norm) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+# checkpoint name pieces -> (our name piece, shard)
+_PACKED = {
+    "q_proj": ("qkv_proj", "q"),
+    "k_proj": ("qkv_proj", "k"),
+    "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+_PACKED_RE = re.compile(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.")
+
+
+class LlamaForCausalLM(nn.Module):
+    qk_norm = False
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.model = DecoderModel(config, self.qk_norm)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.cos_sin_cache = torch.empty(0)
+
+    # ---- forward
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden = self.model.embed_tokens(input_ids)
+        residual = None
+        for layer in self.model.layers:
+            hidden, residual = layer(positions, hidden, residual, self.cos_sin_cache)
+        hidden, _ = self.model.norm(hidden, residual)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    # ---- weights
+
+    def map_weight_name(self, name: str) -> tuple[str | None, object]:
+        """Checkpoint tensor name -> (our parameter name, shard), or (None, None) to skip it."""
+        if "rotary_emb.inv_freq" in name:
+            return None, None
+        if name == "lm_head.weight" and self.config.tie_word_embeddings:
+            # a tied checkpoint may keep only this copy (safetensors drops one of two shared tensors)
+            return "model.embed_tokens.weight", None
+        m = _PACKED_RE.search(name)
+        if m:
+            ours, shard = _PACKED[m.group(1)]
+            return name.replace(f".{m.group(1)}.", f".{ours}."), shard
+        return name, None
+
+    def load_weight(self, param: nn.Parameter, tensor: torch.Tensor, shard: object) -> None:
+        if shard is None:
+            if param.shape != tensor.shape:
+                raise ValueError(f"weight shape {tuple(tensor.shape)} does not match parameter {tuple(param.shape)}")
+            param.data.copy_(tensor)
+            return
+        c = self.config
+        q, kv, inter = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim, c.intermediate_size
+        offset, size = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv), 0: (0, inter), 1: (inter, inter)}[shard]
+        if tensor.shape[0] != size:
+            raise ValueError(f"packed shard {shard} has {tensor.shape[0]} rows, expected {size}")
+        param.data.narrow(0, offset, size).copy_(tensor)
+
+    def expected_weights(self) -> list[str]:
+        names = []
+        for name, _ in self.named_parameters():
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            if ".qkv_proj." in name:
+                names += [f"{name}:{s}" for s in ("q", "k", "v")]
+            elif ".gate_up_proj." in name:
+                names += [f"{name}:{s}" for s in (0, 1)]
+            else:
+                names.append(name)
+        return names
+
+    def tie_weights_if_needed(self) -> None:
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def post_load(self, device: torch.device) -> None:
+        c = self.config
+        self.cos_sin_cache = rope_cos_sin_cache(c.head_dim, c.max_position_embeddings, c.rope_theta, c.rope_scaling, torch.float32, device)

@@ -1,0 +1,60 @@
+"""The hot-path operations the models call: Triton kernels on CUDA, their plain-torch references elsewhere.
+
+One switch, chosen once per process: `use_triton(True/False)`; the model runner sets it from the device.
+"""
+
+from __future__ import annotations
+
+from pagefleet.kernels import reference as ref
+
+_triton = None  # the kernels modules when Triton is in use, else None
+
+
+def use_triton(enabled: bool) -> None:
+    global _triton
+    if not enabled:
+        _triton = None
+        return
+    from pagefleet.kernels import activation, attention, kv_cache, norm, rope
+
+    _triton = {"attention": attention, "kv_cache": kv_cache, "norm": norm, "rope": rope, "activation": activation}
+
+
+def triton_in_use() -> bool:
+    return _triton is not None
+
+
+def rms_norm(x, weight, eps):
+    return _triton["norm"].rms_norm(x, weight, eps) if _triton else ref.rms_norm(x, weight, eps)
+
+
+def fused_add_rms_norm(x, residual, weight, eps):
+    return _triton["norm"].fused_add_rms_norm(x, residual, weight, eps) if _triton else ref.fused_add_rms_norm(x, residual, weight, eps)
+
+
+def silu_and_mul(x):
+    return _triton["activation"].silu_and_mul(x) if _triton else ref.silu_and_mul(x)
+
+
+def apply_rope(q, k, positions, cos_sin_cache):
+    return _triton["rope"].apply_rope(q, k, positions, cos_sin_cache) if _triton else ref.apply_rope(q, k, positions, cos_sin_cache)
+
+
+def write_kv_cache(k, v, k_cache, v_cache, slot_mapping):
+    if _triton:
+        return _triton["kv_cache"].write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+    return ref.write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+
+
+def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len):
+    if _triton:
+        return _triton["attention"].paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale=scale, max_seq_len=max_seq_len)
+    return ref.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale=scale, max_seq_len=max_seq_len)
+
+
+def paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, max_seq_len):
+    if _triton:
+        return _triton["attention"].paged_prefill_attention(
+            q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale=scale, max_seq_len=max_seq_len
+        )
+    return ref.paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale=scale, max_seq_len=max_seq_len)

@@ -1,0 +1,35 @@
+"""What the engine hands back: cumulative text and tokens per sample of a request."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class TokenLogprobs:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # the most likely tokens at that step, best first
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str  # cumulative; never ends in a partial stop string; stop strings are cut
+    token_ids: list[int]  # cumulative
+    finish_reason: str | None = None  # None while running, then "stop" or "length" (or "abort")
+    logprobs: list[TokenLogprobs] | None = None
+    stop_reason: str | int | None = None  # the stop string or stop token that ended it
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+    @property
+    def num_generated_tokens(self) -> int:
+        return sum(len(o.token_ids) for o in self.outputs)

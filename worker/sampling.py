@@ -1,0 +1,66 @@
+"""SamplingParams: what one request asks of the sampler, checked before it reaches the engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+GREEDY_EPS = 1e-5  # temperatures below this sample greedily
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 or 0: off
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None  # sample i of a request uses seed + i, so it equals an n=1 request with that seed
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    max_tokens: int | None = 16  # None: up to max_model_len
+    min_tokens: int = 0
+    logprobs: int | None = None  # top-k logprobs per generated token (0 = only the chosen token's)
+    skip_special_tokens: bool = True
+    detokenize: bool = True  # False: token ids only (benchmarks); stop strings then need it on
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_EPS
+
+    def validate(self) -> "SamplingParams":
+        """Raise ValueError naming the bad field; the server maps it to HTTP 400 with that param."""
+
+        def need(ok: bool, name: str, message: str) -> None:
+            if not ok:
+                err = ValueError(f"{name} {message}")
+                err.param = name  # type: ignore[attr-defined]
+                raise err
+
+        need(isinstance(self.n, int) and 1 <= self.n <= 128, "n", f"must be an integer in [1, 128], got {self.n!r}")
+        need(self.temperature >= 0.0, "temperature", f"must be >= 0, got {self.temperature}")
+        need(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
+        need(self.top_k == -1 or self.top_k >= 0, "top_k", f"must be -1 (off), 0 (off) or positive, got {self.top_k}")
+        need(0.0 <= self.min_p <= 1.0, "min_p", f"must be in [0, 1], got {self.min_p}")
+        need(self.repetition_penalty > 0.0, "repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
+        need(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}")
+        need(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty}")
+        need(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens > 0), "max_tokens", f"must be a positive integer, got {self.max_tokens!r}")
+        need(self.min_tokens >= 0, "min_tokens", f"must be >= 0, got {self.min_tokens}")
+        need(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens", f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
+        need(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", f"must be in [0, 20], got {self.logprobs}")
+        need(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
+        need(len(self.stop) <= 16, "stop", f"allows at most 16 strings, got {len(self.stop)}")
+        need(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be non-negative integers")
+        need(self.detokenize or not self.stop, "stop", "strings need detokenize=True")
+        need(self.seed is None or isinstance(self.seed, int), "seed", f"must be an integer, got {self.seed!r}")
+        return self
