@@ -220,7 +220,8 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_
                     BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr):
     """Program (q tile, kv_head): BLOCK_Q query tokens x GROUP heads (M = BLOCK_Q * GROUP_PAD rows)."""
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
-    tile, kv_head = tl.program_id(0), tl.program_id(1)
+    # Last tiles first: they see the most keys, so the long programs start early and the tail is short.
+    tile, kv_head = tl.num_programs(0) - 1 - tl.program_id(0), tl.program_id(1)
     seq = _find_seq(cu_seqlens_q_ptr, tile, num_seqs, BLOCK_Q)
     q_start = tl.load(cu_seqlens_q_ptr + seq)
     q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start

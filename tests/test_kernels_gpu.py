@@ -1,0 +1,88 @@
+"""Triton kernels on CUDA in bf16 against their references (fresh random inputs, poisoned outputs).
+
+Marked gpu; skipped where there is no CUDA device (CI) or under the Triton interpreter.
+"""
+import os
+
+import pytest
+import torch
+
+from pagefleet.kernels import reference as ref
+from test_kernels import close
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
+                                 reason="needs CUDA (compiled Triton)")]
+BF = torch.bfloat16
+
+
+def paged(seq_lens, num_kv_heads, head_dim, block_size):
+    nbs = [-(-n // block_size) for n in seq_lens]
+    perm = torch.randperm(sum(nbs) + 5, device="cuda").int()
+    bt = torch.full((len(seq_lens), max(nbs) + 1), -1, dtype=torch.int32, device="cuda")
+    i = 0
+    for s, nb in enumerate(nbs):
+        bt[s, :nb] = perm[i: i + nb]
+        i += nb
+    shape = (len(perm), block_size, num_kv_heads, head_dim)
+    return (torch.randn(shape, device="cuda", dtype=BF), torch.randn(shape, device="cuda", dtype=BF), bt,
+            torch.tensor(seq_lens, dtype=torch.int32, device="cuda"))
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("num_splits", [None, 1, 5])
+def test_decode_bf16(block_size, num_splits):
+    from pagefleet.kernels import attention
+
+    lens = torch.randint(1, 3000, (24,)).tolist()
+    kc, vc, bt, sl = paged(lens, 8, 128, block_size)
+    q = torch.randn(24, 32, 128, device="cuda", dtype=BF)
+    out = torch.full_like(q, float("nan"))
+    attention.paged_decode_attention(q, kc, vc, bt, sl, out=out, num_splits=num_splits)
+    close(out, ref.paged_decode_attention(q.float(), kc.float(), vc.float(), bt, sl), BF)
+
+
+@pytest.mark.parametrize("group", [1, 4])
+def test_prefill_bf16(group):
+    from pagefleet.kernels import attention
+
+    q_lens, prefixes = [700, 300, 1, 1, 0], [0, 900, 40, 2000, 5]
+    kc, vc, bt, sl = paged([a + b for a, b in zip(q_lens, prefixes)], 8, 128, 16)
+    cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    q = torch.randn(sum(q_lens), 8 * group, 128, device="cuda", dtype=BF)
+    out = torch.full_like(q, float("nan"))
+    attention.paged_prefill_attention(q, kc, vc, bt, sl, cu, out=out)
+    close(out, ref.paged_prefill_attention(q.float(), kc.float(), vc.float(), bt, sl, cu), BF)
+
+
+def test_small_kernels_bf16():
+    from pagefleet.kernels import activation, fp8, kv_cache, norm, rope
+
+    T = 777
+    kc, vc = torch.randn(100, 16, 8, 128, device="cuda", dtype=BF), torch.randn(100, 16, 8, 128, device="cuda", dtype=BF)
+    k, v = torch.randn(T, 8, 128, device="cuda", dtype=BF), torch.randn(T, 8, 128, device="cuda", dtype=BF)
+    slots = torch.randperm(1600, device="cuda")[:T]
+    slots[::7] = -1
+    kr, vr = kc.clone(), vc.clone()
+    kv_cache.write_kv_cache(k, v, kc, vc, slots)
+    ref.write_kv_cache(k, v, kr, vr, slots)
+    assert torch.equal(kc, kr) and torch.equal(vc, vr)
+    x, r, w = (torch.randn(T, 4096, device="cuda", dtype=BF) for _ in range(3))
+    w = w[0]
+    close(norm.rms_norm(x, w), ref.rms_norm(x, w), BF)
+    n, res = norm.fused_add_rms_norm(x, r, w)
+    assert torch.equal(res, x + r)
+    close(n, ref.rms_norm(x + r, w), BF)
+    cache = ref.rope_cos_sin_cache(128, 4096, 500000.0, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}, device="cuda")
+    qh = torch.randn(T, 32, 128, device="cuda", dtype=BF)
+    pos = torch.randint(0, 4096, (T,), device="cuda")
+    for got, exp in zip(rope.apply_rope(qh, k, pos, cache), ref.apply_rope(qh, k, pos, cache)):
+        close(got, exp, BF)
+    xm = torch.randn(T, 2 * 1000, device="cuda", dtype=BF)
+    close(activation.silu_and_mul(xm), ref.silu_and_mul(xm), BF)
+    q8, s8 = fp8.quantize_fp8_per_token(x)
+    q8r, s8r = ref.quantize_fp8_per_token(x)
+    assert torch.allclose(s8, s8r) and (q8.float() != q8r.float()).float().mean() < 1e-4
+    w8, ws = ref.quantize_weight_fp8(torch.randn(512, 4096, device="cuda", dtype=BF))
+    close(fp8.fp8_linear(x, w8, ws), ref.fp8_linear(x, w8, ws), BF)
