@@ -20,8 +20,20 @@ STATUS_INTERVAL = float(os.environ.get("PAGEFLEET_STATUS_INTERVAL", "3"))
 AUTOSCALE_INTERVAL = float(os.environ.get("PAGEFLEET_AUTOSCALE_INTERVAL", "5"))
 
 
+class _QuietTimerSuccess(logging.Filter):
+    """Drops kopf's 'Timer ... succeeded.' line: the status timer would log it every few seconds per object."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not (record.levelno <= logging.INFO and message.startswith("Timer ") and message.endswith(" succeeded."))
+
+
 @kopf.on.startup()
 def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+    logging.getLogger("kopf.objects").addFilter(_QuietTimerSuccess())
+    # One line per API call is noise even in --verbose; failures still surface as exceptions.
+    for chatty in ("httpx", "httpcore"):
+        logging.getLogger(chatty).setLevel(logging.WARNING)
     # Our status schema is structural: kopf's bookkeeping goes into annotations, where nothing prunes it.
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
