@@ -227,8 +227,10 @@ def decode():
     # One cache for every shape; each shape takes its blocks from a random permutation.
     kc = torch.randn(nb_max, block_size, HKV, D, device=DEV).to(DT)
     vc = torch.randn(nb_max, block_size, HKV, D, device=DEV).to(DT)
-    for B in batches:
-        for ctx in ctxs:
+    small_batches = [(1, 128)] if DRY else [(1, 8192), (8, 8192), (32, 4096)]  # where split-KV (flash-decoding) matters
+    shapes = [(B, ctx) for B in batches for ctx in ctxs] + small_batches
+    for B, ctx in shapes:
+        if True:
             nb = ctx // block_size
             bt = torch.randperm(nb_max, device=DEV)[: B * nb].view(B, nb).int()
             sl = torch.full((B,), ctx, dtype=torch.int32, device=DEV)
@@ -239,8 +241,11 @@ def decode():
             auto = A.decode_num_splits(B, HKV, ctx, A._num_sms(q.device))
             best = (default_ms, "auto", auto)
             configs = [] if args.no_sweep else [(16, 4, 2)] if DRY else DECODE_CONFIGS
+            split_choices = (1, 2, 4, 8)
+            if (B, ctx) in small_batches:  # default tiles; sweep the split count only
+                configs, split_choices = [(16 if DRY else 64, 4, 2)], (1, 2, 4, 8, 16, 32, 64)
             for bn, w, st in configs:
-                for splits in (1, 2, 4, 8):
+                for splits in split_choices:
                     if B * HKV * splits > 8192 or ctx // splits < bn:
                         continue
                     kw = dict(block_n=bn, num_warps=w, num_stages=st, num_splits=splits)
@@ -266,8 +271,8 @@ def decode():
 # ---------------------------------------------------------------- prefill attention
 
 
-PREFILL_CONFIGS = [(128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 3), (128, 32, 4, 4), (64, 64, 4, 3),
-                   (64, 128, 4, 3), (128, 64, 8, 4), (128, 128, 8, 2)]
+PREFILL_CONFIGS = [(128, 128, 8, 3), (128, 128, 8, 2), (128, 128, 4, 3), (128, 64, 8, 3), (128, 32, 4, 4),
+                   (256, 64, 8, 3), (256, 128, 8, 2), (64, 64, 4, 3)]
 
 
 @section

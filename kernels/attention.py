@@ -50,10 +50,11 @@ def _attend_tile(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr, kv
         v = tl.load(v_cache_ptr + v_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
     else:
         v = tl.load(v_cache_ptr + v_rows[:, None] + offs_d[None, :], mask=d_mask[None, :], other=0.0)
+    acc = acc * alpha[:, None]
     if UPCAST:
-        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32))
+        acc = tl.dot(p, v.to(tl.float32), acc)
     else:
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = tl.dot(p.to(v.dtype), v, acc)  # accumulate in place (wgmma's accumulator on Hopper)
     return acc, m_new, l_i
 
 
@@ -185,7 +186,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale=No
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=D, HEAD_DIM_PAD=d_pad,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, SPLIT=split, UPCAST=not q.is_cuda,
-        num_warps=num_warps or 4, num_stages=num_stages or 3)
+        num_warps=num_warps or 4, num_stages=num_stages or 2)  # swept on the H200: docs/benchmarks-kernels.md
     if split:
         _decode_reduce_kernel[(B, H)](part_acc, part_ml, out, num_splits, H, out.stride(0), out.stride(1),
                                       HEAD_DIM=D, HEAD_DIM_PAD=d_pad,
@@ -283,11 +284,11 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seql
     num_seqs = cu_seqlens_q.shape[0] - 1
     if T == 0 or num_seqs == 0:
         return out
-    block_m = block_m or 128
+    block_m = block_m or 128  # defaults swept on the H200: docs/benchmarks-kernels.md
     block_q = max(1, block_m // group_pad)
     if block_q * group_pad < 16:  # tl.dot needs M >= 16
         block_q = triton.cdiv(16, group_pad)
-    block_n = block_n or 64
+    block_n = block_n or (128 if D <= 128 else 64)
     num_tiles = T // block_q + num_seqs  # upper bound of sum(cdiv(q_len, block_q))
     _prefill_kernel[(num_tiles, Hkv)](
         q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out, scale * LOG2E, num_seqs,

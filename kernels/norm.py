@@ -5,24 +5,30 @@ import triton.language as tl
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_inner, stride_x0, stride_x1, stride_r0,
-                     stride_r1, eps, N: tl.constexpr, BLOCK: tl.constexpr, ADD_RESIDUAL: tl.constexpr):
-    """One row per program. Rows are indexed by two leading dims (e.g. [T, H] for per-head q/k norm)."""
-    row = tl.program_id(0)
-    i0, i1 = (row // n_inner).to(tl.int64), (row % n_inner).to(tl.int64)
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_rows, n_inner, stride_x0, stride_x1, stride_r0,
+                     stride_r1, eps, N: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
+                     ADD_RESIDUAL: tl.constexpr):
+    """ROWS rows per program (many short rows, e.g. per-head q/k norm, would starve one-row programs).
+
+    Rows are indexed by two leading dims, so a strided [T, H, D] view of a fused qkv needs no copy.
+    """
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    i0, i1 = (rows // n_inner).to(tl.int64), (rows % n_inner).to(tl.int64)
     cols = tl.arange(0, BLOCK)
-    mask = cols < N
-    x = tl.load(x_ptr + i0 * stride_x0 + i1 * stride_x1 + cols, mask=mask, other=0.0).to(tl.float32)
+    mask = (rows[:, None] < n_rows) & (cols[None, :] < N)
+    x = tl.load(x_ptr + (i0 * stride_x0 + i1 * stride_x1)[:, None] + cols[None, :], mask=mask, other=0.0)
+    x = x.to(tl.float32)
+    out_offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
     if ADD_RESIDUAL:
-        r = tl.load(res_ptr + i0 * stride_r0 + i1 * stride_r1 + cols, mask=mask, other=0.0).to(tl.float32)
+        r = tl.load(res_ptr + (i0 * stride_r0 + i1 * stride_r1)[:, None] + cols[None, :], mask=mask, other=0.0)
         # HF adds in the model dtype: round the sum before normalising it.
-        s = (x + r).to(res_out_ptr.dtype.element_ty)
-        tl.store(res_out_ptr + row.to(tl.int64) * N + cols, s, mask=mask)
+        s = (x + r.to(tl.float32)).to(res_out_ptr.dtype.element_ty)
+        tl.store(res_out_ptr + out_offs, s, mask=mask)
         x = s.to(tl.float32)
-    var = tl.sum(x * x, axis=0) / N
-    h = (x * tl.rsqrt(var + eps)).to(out_ptr.dtype.element_ty).to(tl.float32)  # HF: .to(input_dtype) first
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row.to(tl.int64) * N + cols, (w * h).to(out_ptr.dtype.element_ty), mask=mask)
+    var = tl.sum(x * x, axis=1) / N
+    h = (x * tl.rsqrt(var + eps)[:, None]).to(out_ptr.dtype.element_ty).to(tl.float32)  # HF: .to(input_dtype) first
+    w = tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
+    tl.store(out_ptr + out_offs, (w[None, :] * h).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _rows(t):
@@ -52,8 +58,10 @@ def _launch(x, residual, weight, eps):
     if rows == 0:
         return out, res_out
     block = triton.next_power_of_2(N)
-    _rms_norm_kernel[(rows,)](xr, rr, weight, out, res_out, n_inner, sx0, sx1, sr0, sr1, eps, N=N, BLOCK=block,
-                              ADD_RESIDUAL=residual is not None, num_warps=min(max(block // 256, 1), 16))
+    rows_per_prog = max(1, min(32, 4096 // block))  # ~4096 elements a program
+    _rms_norm_kernel[(triton.cdiv(rows, rows_per_prog),)](
+        xr, rr, weight, out, res_out, rows, n_inner, sx0, sx1, sr0, sr1, eps, N=N, BLOCK=block, ROWS=rows_per_prog,
+        ADD_RESIDUAL=residual is not None, num_warps=min(max(block * rows_per_prog // 256, 1), 16))
     return out, res_out
 
 

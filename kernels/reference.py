@@ -44,7 +44,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale=No
     block_size, Hkv = k_cache.shape[1], k_cache.shape[2]
     group = H // Hkv
     scale = 1.0 / math.sqrt(D) if scale is None else scale
-    if max_seq_len is None:
+    if max_seq_len is None or not seq_lens.is_cuda:  # on the CPU the true max costs nothing and can't be stale
         max_seq_len = int(seq_lens.max()) if B else 0
     num_blocks = (max_seq_len + block_size - 1) // block_size
     blocks = block_tables[:, :num_blocks].long().clamp(min=0)  # -1 padding -> any valid block, masked below
