@@ -144,8 +144,12 @@ def _num_sms(device):
     return _NUM_SMS[device.index]
 
 
-def decode_num_splits(num_seqs, num_kv_heads, max_seq_len, num_sms, min_tokens_per_split=256, waves=2):
-    """Split the keys only when (seq, kv_head) programs alone cannot keep every SM busy for `waves` rounds."""
+def decode_num_splits(num_seqs, num_kv_heads, max_seq_len, num_sms, min_tokens_per_split=1024, waves=2):
+    """Split the keys only when (seq, kv_head) programs alone cannot keep every SM busy for `waves` rounds.
+
+    Splits shorter than ~1k tokens lost on the H200 (batch 1, 8k context: 8 splits 41 us, 16-64 splits
+    over 100 us; docs/benchmarks-kernels.md), so a split keeps at least min_tokens_per_split keys.
+    """
     base = num_seqs * num_kv_heads
     want = triton.cdiv(num_sms * waves, base)
     return max(1, min(want, triton.cdiv(max_seq_len, min_tokens_per_split), 64))
