@@ -47,6 +47,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     resilience.add_argument("--cooldown-s", type=float, default=5.0, help="how long a failing worker is skipped")
     resilience.add_argument("--allowed-fails", type=int, default=1, help="failures per minute before a cooldown")
     resilience.add_argument("--request-timeout-s", type=float, default=600.0)
+    parser.add_argument("--max-parallel-requests", type=int, default=None,
+                        help="requests in flight through the gateway before LiteLLM answers 429 (no database needed)")
     parser.add_argument("--worker-api-key", default=os.environ.get("PAGEFLEET_WORKER_API_KEY"),
                         help="key the gateway sends to workers started with --api-key")
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
@@ -69,6 +71,7 @@ def _validate(args: argparse.Namespace) -> tuple[ProxySettings, RoutingPolicy, l
             routing_strategy="simple-shuffle" if args.routing == "queue-depth" else args.routing,
             num_retries=args.num_retries, request_timeout_s=args.request_timeout_s,
             cooldown_time_s=args.cooldown_s, allowed_fails=args.allowed_fails, worker_api_key=args.worker_api_key,
+            max_parallel_requests=args.max_parallel_requests,
         )
         policy = RoutingPolicy(queue_threshold=args.queue_threshold, kv_threshold=args.kv_threshold)
     except ValueError as exc:
@@ -78,7 +81,13 @@ def _validate(args: argparse.Namespace) -> tuple[ProxySettings, RoutingPolicy, l
 
 def run(args: argparse.Namespace) -> int:
     settings, policy, workers = _validate(args)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # Our loggers only: LiteLLM installs its own handlers, and a root handler would print its lines twice.
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    ours = logging.getLogger("pagefleet")
+    ours.addHandler(handler)
+    ours.setLevel(args.log_level.upper())
+    ours.propagate = False
     # Both before litellm is imported: no cost-map download at import, and the proxy finds our config.
     os.environ["LITELLM_LOCAL_MODEL_COST_MAP"] = "True"
     os.environ["CONFIG_FILE_PATH"] = write_config(litellm_config(settings, [] if args.kubernetes else workers))
@@ -93,13 +102,16 @@ async def serve(args: argparse.Namespace, settings: ProxySettings, policy: Routi
     import uvicorn
     from litellm.proxy import proxy_server
 
+    from pagefleet.gateway.auth import MasterKeyOnly
     from pagefleet.gateway.membership import Fleet, start_kubernetes_membership
     from pagefleet.gateway.probe import Prober
 
     prober = Prober(interval_s=args.probe_interval_ms / 1000, timeout_s=args.probe_timeout_ms / 1000,
                     headers={"Authorization": f"Bearer {settings.worker_api_key}"} if settings.worker_api_key else None)
     _mount_metrics(proxy_server.app, prober)
-    server = uvicorn.Server(uvicorn.Config(proxy_server.app, host=args.host, port=args.port,
+    # Without a database LiteLLM answers a wrong key with 400 "No connected db."; ours says 401.
+    app = MasterKeyOnly(proxy_server.app, settings.master_key, database=bool(os.environ.get("DATABASE_URL")))
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
                                            log_level="warning", timeout_graceful_shutdown=5))
     server_task = asyncio.create_task(server.serve(), name="litellm-proxy")
     loop = asyncio.get_running_loop()
@@ -137,7 +149,9 @@ def _install_strategy(router, prober, policy: RoutingPolicy) -> None:
     from pagefleet.gateway.strategy import QueueDepthStrategy, WorkerFailureListener
 
     router.set_custom_routing_strategy(QueueDepthStrategy(router, prober, policy))
-    litellm.callbacks.append(WorkerFailureListener(prober))
+    listener = WorkerFailureListener(prober)
+    litellm.logging_callback_manager.add_litellm_callback(listener)
+    litellm.logging_callback_manager.add_litellm_async_failure_callback(listener)
 
 
 def _mount_metrics(app, prober) -> None:

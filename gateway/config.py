@@ -56,17 +56,20 @@ class ProxySettings:
     cooldown_time_s: float = 5.0
     allowed_fails: int = 1
     worker_api_key: str | None = None
+    max_parallel_requests: int | None = None  # proxy-wide; per-key and per-team limits need LiteLLM's database
 
     def __post_init__(self):
         if not self.master_key.startswith("sk-"):
             raise ValueError("the LiteLLM master key must start with 'sk-'")
         if self.num_retries < 0 or self.cooldown_time_s < 0 or self.allowed_fails < 0:
             raise ValueError("num_retries, cooldown_time_s and allowed_fails must be >= 0")
+        if self.max_parallel_requests is not None and self.max_parallel_requests < 1:
+            raise ValueError("max_parallel_requests must be >= 1")
 
 
 def litellm_config(settings: ProxySettings, workers: list[tuple[str, str]]) -> dict:
     """The whole proxy config for `workers`, a list of (served model name, worker URL)."""
-    return {
+    config = {
         "model_list": [deployment(name, url, settings.worker_api_key) for name, url in workers],
         "router_settings": {
             "routing_strategy": settings.routing_strategy,
@@ -80,12 +83,15 @@ def litellm_config(settings: ProxySettings, workers: list[tuple[str, str]]) -> d
         "litellm_settings": {
             "num_retries": settings.num_retries,
             "request_timeout": settings.request_timeout_s,
-            # No telemetry, no cost-map download: the gateway may run without outside network.
+            # No telemetry: the gateway may run without outside network.
             "telemetry": False,
             "drop_params": True,
         },
         "general_settings": {"master_key": settings.master_key},
     }
+    if settings.max_parallel_requests:
+        config["general_settings"]["global_max_parallel_requests"] = settings.max_parallel_requests
+    return config
 
 
 def write_config(config: dict, directory: str | None = None) -> str:

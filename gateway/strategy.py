@@ -82,6 +82,7 @@ class WorkerFailureListener(CustomLogger):
 
     async def async_log_failure_event(self, kwargs, response_obj, start_time, end_time):
         exc = kwargs.get("exception")
+        log.debug("failure event: %r", exc)
         if not _is_connection_failure(exc):
             return
         params = kwargs.get("litellm_params") or {}
@@ -102,4 +103,4 @@ def _is_connection_failure(exc) -> bool:
     if isinstance(exc, litellm.APIConnectionError):
         return True
     text = str(exc)
-    return any(s in text for s in ("Connection refused", "ConnectError", "Connection reset", "Server disconnected"))
+    return any(s in text for s in ("Connection error", "Connection refused", "ConnectError", "Connection reset", "Server disconnected"))

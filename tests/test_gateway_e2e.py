@@ -1,0 +1,268 @@
+"""The gateway end to end on loopback: the real LiteLLM proxy (`pagefleet gateway`) in front of two real
+`pagefleet serve` workers on the bundled model, driven by the real `openai` client.
+
+Two gateways over the same two workers: `ours` (queue-depth routing) and `shuffle` (LiteLLM's own
+simple-shuffle), so both strategies meet the same load in the same run. LiteLLM answers with the
+header x-litellm-model-api-base, which says which worker served each request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+pytestmark = pytest.mark.slow
+
+MODEL = "smol"
+MASTER_KEY = "sk-pagefleet-e2e"
+WORKER_FLAGS = ["--max-model-len", "512", "--max-num-seqs", "2", "--max-queue", "64"]
+BUSY_REQUESTS = 7  # long requests sent straight to one worker: 2 running, 5 waiting (saturated)
+BURST = 6
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Proc:
+    """A child process with its log, started by the command and ready when `ready_path` answers 200."""
+
+    def __init__(self, log_path, cmd: list[str], port: int, ready_path: str):
+        self.cmd, self.port, self.ready_path, self.log_path = cmd, port, ready_path, log_path
+        self.url = f"http://127.0.0.1:{port}"
+        self.start()
+
+    def start(self) -> None:
+        self.log = open(self.log_path, "a")
+        # One thread each: the machine is small and shared, and two workers must not fight over cores.
+        env = dict(os.environ, OMP_NUM_THREADS="1", LITELLM_LOCAL_MODEL_COST_MAP="True")
+        # cwd outside the checkout: its top-level operator/ would shadow the standard library's operator.
+        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env,
+                                     cwd=self.log_path.parent)
+
+    def wait_ready(self, timeout: float = 600) -> None:
+        deadline = time.time() + timeout  # the first worker start converts the bundled model
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.cmd[2:4]} exited {self.proc.returncode}:\n{self.logs()}")
+            try:
+                if httpx.get(self.url + self.ready_path, timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        raise RuntimeError(f"not ready:\n{self.logs()}")
+
+    def logs(self) -> str:
+        self.log.flush()
+        with open(self.log_path) as f:
+            return f.read()[-4000:]
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait()
+        self.log.close()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+def worker(tmp, i: int) -> Proc:
+    port = _free_port()
+    cmd = [sys.executable, "-m", "pagefleet", "serve", "--host", "127.0.0.1", "--port", str(port),
+           "--served-model-name", MODEL, *WORKER_FLAGS]
+    return Proc(tmp / f"worker{i}.log", cmd, port, "/ready")
+
+
+def gateway(tmp, name: str, workers: list[Proc], routing: str) -> Proc:
+    port = _free_port()
+    cmd = [sys.executable, "-m", "pagefleet", "gateway", "--host", "127.0.0.1", "--port", str(port),
+           "--master-key", MASTER_KEY, "--served-model-name", MODEL, "--routing", routing,
+           "--probe-interval-ms", "100", *[a for w in workers for a in ("--worker", w.url)]]
+    return Proc(tmp / f"gateway-{name}.log", cmd, port, "/health/readiness")
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("gateway-e2e")
+    workers = [worker(tmp, 0), worker(tmp, 1)]
+    gateways = {"ours": gateway(tmp, "ours", workers, "queue-depth"),
+                "shuffle": gateway(tmp, "shuffle", workers, "simple-shuffle")}
+    procs = workers + list(gateways.values())
+    try:
+        for p in procs:  # started together, waited for in turn: the starts overlap
+            p.wait_ready()
+        yield workers, gateways
+    finally:
+        for p in procs:
+            p.stop()
+
+
+def aclient(gw: Proc, key: str = MASTER_KEY) -> openai.AsyncOpenAI:
+    # Generous timeout: the machine is small and shared, and under shuffle part of a burst waits long.
+    return openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key=key, max_retries=0, timeout=600)
+
+
+def served_by(raw) -> str:
+    return raw.headers["x-litellm-model-api-base"].removesuffix("/v1")
+
+
+def pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    k = (len(values) - 1) * q / 100
+    lo, hi = int(k), min(int(k) + 1, len(values) - 1)
+    return values[lo] + (values[hi] - values[lo]) * (k - lo)
+
+
+# ---- 1. the OpenAI API through the gateway, and its key ----
+
+async def test_chat_and_completion_streamed_and_not(fleet):
+    _, gateways = fleet
+    c = aclient(gateways["ours"])
+    messages = [{"role": "user", "content": "Say hello."}]
+    chat = await c.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0)
+    assert chat.choices[0].message.content and chat.choices[0].finish_reason in ("stop", "length")
+    assert chat.usage.completion_tokens <= 8
+    comp = await c.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=6, temperature=0)
+    assert comp.choices[0].text and comp.usage.completion_tokens <= 6
+
+    stream = await c.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0, stream=True)
+    pieces = [ch.choices[0].delta.content or "" async for ch in stream if ch.choices]
+    assert "".join(pieces) == chat.choices[0].message.content  # greedy: same text either way
+    stream = await c.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=6, temperature=0,
+                                        stream=True)
+    text = "".join([ch.choices[0].text or "" async for ch in stream if ch.choices])
+    assert text == comp.choices[0].text
+
+    models = await c.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+
+
+async def test_wrong_or_missing_key_is_401_and_health_is_open(fleet):
+    _, gateways = fleet
+    gw = gateways["ours"]
+    with pytest.raises(openai.AuthenticationError):
+        await aclient(gw, key="sk-wrong").completions.create(model=MODEL, prompt="hi", max_tokens=2)
+    async with httpx.AsyncClient(base_url=gw.url) as h:
+        r = await h.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 401
+        r = await h.post("/v1/chat/completions", json={"model": MODEL, "messages": []},
+                         headers={"Authorization": "Bearer sk-wrong"})
+        assert r.status_code == 401
+        assert (await h.get("/health/liveliness")).status_code == 200
+        assert (await h.get("/health/readiness")).status_code == 200
+        metrics = (await h.get("/pagefleet/metrics")).text
+        assert "pagefleet_gateway_worker_up" in metrics and "pagefleet_gateway_routing_decisions_total" in metrics
+
+
+# ---- 2. queue-depth routing against simple-shuffle, same load, same run ----
+
+async def _burst_while_busy(busy: Proc, gw: Proc) -> tuple[list[float], list[str]]:
+    """Keeps `busy` full with long requests sent to it directly, then sends a burst through `gw`."""
+    async with httpx.AsyncClient(timeout=600) as h:
+        body = {"model": MODEL, "prompt": "Write a long story about a dragon.", "max_tokens": 16,
+                "ignore_eos": True, "temperature": 0}
+        long_ones = [asyncio.create_task(h.post(busy.url + "/v1/completions", json=body))
+                     for _ in range(BUSY_REQUESTS)]
+        while (await h.get(busy.url + "/load")).json()["waiting"] < BUSY_REQUESTS - 2:
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.3)  # a few probe intervals: the gateway has seen the queue
+        c = aclient(gw)
+
+        async def one(i):
+            start = time.perf_counter()
+            raw = await c.completions.with_raw_response.create(model=MODEL, prompt=f"Count to {i}:", max_tokens=2,
+                                                               temperature=0)
+            raw.parse()
+            return time.perf_counter() - start, served_by(raw)
+
+        results = await asyncio.gather(*(one(i) for i in range(BURST)))
+        for r in await asyncio.gather(*long_ones):  # the busy worker drains before the next measurement
+            assert r.status_code == 200
+    return [t for t, _ in results], [w for _, w in results]
+
+
+async def test_queue_depth_routing_beats_simple_shuffle(fleet):
+    workers, gateways = fleet
+    busy, idle = workers
+    measured = {}
+    for name in ("ours", "shuffle"):
+        latencies, where = await _burst_while_busy(busy, gateways[name])
+        measured[name] = latencies
+        to_idle = sum(w == idle.url for w in where)
+        print(f"\n{name:8s}: burst of {BURST}, {to_idle} to the idle worker; latency p50 {pct(latencies, 50):.2f} s, "
+              f"p99 {pct(latencies, 99):.2f} s, mean {statistics.mean(latencies):.2f} s")
+        if name == "ours":
+            assert to_idle >= BURST - 1, f"queue-depth routing sent {BURST - to_idle} of the burst to the busy worker"
+    ours, shuffle = measured["ours"], measured["shuffle"]
+    assert pct(ours, 99) < pct(shuffle, 99)
+    assert statistics.mean(ours) < statistics.mean(shuffle)
+
+
+# ---- 3. a worker killed mid-run: no request lost; restarted, it rejoins ----
+
+async def test_sigkill_loses_no_request_and_restarted_worker_rejoins(fleet):
+    workers, gateways = fleet
+    victim, survivor = workers
+    outcomes: dict[str, list] = {"ours": [], "shuffle": []}
+
+    async def run(name: str, n: int, stream: bool):
+        c = aclient(gateways[name])
+        for i in range(n):
+            try:
+                if stream:
+                    s = await c.completions.create(model=MODEL, prompt=f"Number {i}:", max_tokens=3, stream=True)
+                    text = "".join([ch.choices[0].text or "" async for ch in s if ch.choices])
+                else:
+                    text = (await c.completions.create(model=MODEL, prompt=f"Number {i}:", max_tokens=3)).choices[0].text
+                outcomes[name].append(("ok", text))
+            except Exception as exc:  # recorded, asserted below: a lost request fails the test
+                outcomes[name].append(("lost", repr(exc)))
+
+    runners = [asyncio.create_task(run(name, 5, stream=False)) for name in outcomes for _ in range(2)]
+    await asyncio.sleep(2.0)
+    victim.kill()
+    killed_at = time.monotonic()
+    await asyncio.gather(*runners)
+    # Streams that begin after the kill: LiteLLM retries them on the survivor before any byte is sent.
+    await asyncio.gather(*(run(name, 3, stream=True) for name in outcomes))
+    for name, results in outcomes.items():
+        lost = [r for r in results if r[0] != "ok"]
+        assert not lost, f"{name}: {len(lost)} of {len(results)} requests lost: {lost[:3]}"
+        assert len(results) == 2 * 5 + 3
+    print(f"\nafter SIGKILL: {sum(map(len, outcomes.values()))} requests, all answered "
+          f"({time.monotonic() - killed_at:.1f} s after the kill)")
+
+    victim.start()  # same port: the static member comes back
+    victim.wait_ready()
+    c = aclient(gateways["ours"])
+    deadline = time.time() + 30
+    seen = set()
+    while victim.url not in seen and time.time() < deadline:
+        raws = await asyncio.gather(*(c.completions.with_raw_response.create(model=MODEL, prompt="Hi", max_tokens=2)
+                                      for _ in range(4)))
+        seen |= {served_by(r) for r in raws}
+    assert victim.url in seen, "the restarted worker did not get traffic again"
+    async with httpx.AsyncClient() as h:
+        metrics = (await h.get(gateways["ours"].url + "/pagefleet/metrics")).text
+    assert f'pagefleet_gateway_worker_up{{worker="{victim.url}"}} 1.0' in metrics
