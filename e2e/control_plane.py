@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import secrets
 import socket
+import ssl
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,10 +68,15 @@ def write_credentials(state: Path, server: str, ca_file: Path) -> dict[str, str]
     return tokens
 
 
+def _tls(ca_file: str | None):
+    """httpx verify= value: the cluster CA, or no verification (components' self-signed certs)."""
+    return ssl.create_default_context(cafile=ca_file) if ca_file else False
+
+
 def _http_ok(url: str, verify, token: str | None = None) -> bool:
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     try:
-        return httpx.get(url, verify=verify, headers=headers, timeout=2).status_code == 200
+        return httpx.get(url, verify=_tls(verify or None), headers=headers, timeout=2).status_code == 200
     except httpx.HTTPError:
         return False
 
@@ -144,9 +150,9 @@ def _node_ready(api: str, ca: str, token: str) -> bool:
     """The node is Ready and pods can be created (the default ServiceAccount exists)."""
     headers = {"Authorization": f"Bearer {token}"}
     try:
-        node = httpx.get(f"{api}/api/v1/nodes/{NODE_NAME}", verify=ca, headers=headers, timeout=2)
+        node = httpx.get(f"{api}/api/v1/nodes/{NODE_NAME}", verify=_tls(ca), headers=headers, timeout=2)
         sa = httpx.get(f"{api}/api/v1/namespaces/default/serviceaccounts/default",
-                       verify=ca, headers=headers, timeout=2)
+                       verify=_tls(ca), headers=headers, timeout=2)
     except httpx.HTTPError:
         return False
     if node.status_code != 200 or sa.status_code != 200:

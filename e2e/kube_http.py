@@ -7,6 +7,7 @@ the generated `kubernetes` client's model classes.
 from __future__ import annotations
 
 import json
+import ssl
 from typing import Any, Iterator
 
 import httpx
@@ -24,7 +25,7 @@ class KubeHTTP:
         headers = {"Authorization": f"Bearer {token}", "Accept": "application/json"}
         # Generous read timeout: watches hold the connection open for their timeoutSeconds.
         self._client = httpx.Client(
-            base_url=self.server, headers=headers, verify=ca_file,
+            base_url=self.server, headers=headers, verify=ssl.create_default_context(cafile=ca_file),
             timeout=httpx.Timeout(30.0, read=330.0),
         )
 

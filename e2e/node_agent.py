@@ -225,6 +225,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stderr)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per API call drowns pod events
     agent = NodeAgent(parse_args(argv))
     signal.signal(signal.SIGTERM, agent.shutdown)
     signal.signal(signal.SIGINT, agent.shutdown)

@@ -87,12 +87,19 @@ class PodRuntime:
         pod = self.pod
         self.base_env = dict(self.base_env, HOSTNAME=pod["metadata"]["name"])
         self.base_env.update(pod_env.prepare_volumes(pod, self.pod_dir))
-        try:
-            kubeconfig = pod_env.service_account_kubeconfig(self.api, pod, self.pod_dir, self.ca_file)
-            if kubeconfig:
-                self.base_env["KUBECONFIG"] = kubeconfig
-        except ApiError as err:
-            log.warning("pod %s: no service-account token: %s", self.key, err)
+        # Right after binding, the Node authorizer's graph and NodeRestriction's pod cache may not
+        # know the pod is ours yet (403 "no relationship found"): retry for a few seconds.
+        for attempt in range(10):
+            try:
+                kubeconfig = pod_env.service_account_kubeconfig(self.api, pod, self.pod_dir, self.ca_file)
+                if kubeconfig:
+                    self.base_env["KUBECONFIG"] = kubeconfig
+                break
+            except ApiError as err:
+                if err.status != 403 or attempt == 9:
+                    log.warning("pod %s: no service-account token: %s", self.key, err)
+                    break
+                time.sleep(0.5)
         self._push_status()
 
     def _start(self, c: Container) -> None:
