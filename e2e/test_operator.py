@@ -123,6 +123,11 @@ class Operator:
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
 
+    def log_since(self, offset: int) -> str:
+        with open(self.log_path, "rb") as f:
+            f.seek(offset)
+            return f.read().decode(errors="replace")
+
     def log_tail(self, lines: int = 60) -> str:
         text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
         return "---- operator log (tail) ----\n" + "\n".join(text.splitlines()[-lines:])
@@ -334,9 +339,16 @@ def test_changing_max_num_seqs_rolls_pods_with_the_new_flag(cluster, namespace, 
 # ---- 5. a restart mid-reconcile converges --------------------------------------------------------
 
 def test_operator_restart_mid_reconcile_converges(cluster, namespace, operator):
+    offset = operator.log_path.stat().st_size
     kubectl(cluster, "patch", "infsvc", "smol", "-n", namespace, "--type=merge",
             "-p", json.dumps({"spec": {"engine": {"maxNumSeqs": 5}}}))
-    operator.kill()  # the update handler is starting or running now
+    # SIGKILL the moment the update handler starts: it dies between reading the spec and recording the result.
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and "Handler 'reconcile' is invoked" not in operator.log_since(offset):
+        time.sleep(0.005)
+    operator.kill()
+    interrupted = "Handler 'reconcile' succeeded" not in operator.log_since(offset)
+    print(f"operator killed {'inside' if interrupted else 'just after'} the update handler")
     time.sleep(2)
     operator.start()
     obj = wait_ready(cluster, namespace, "smol", operator)
@@ -510,8 +522,8 @@ def test_queue_depth_scales_up_to_max_and_back_to_min(cluster, namespace, operat
              lambda: (get_json(cluster, "infsvc", "busy", "-n", namespace) or {}).get("spec", {})
              .get("replicas") == 1, 180, interval=2, on_timeout=operator.log_tail)
     obj = wait_ready(cluster, namespace, "busy", operator, replicas=1)
-    assert obj["status"]["lastScaleTime"] >= scaled_up_at
-    assert obj["status"]["autoscaling"]["lastDecision"].startswith("ScaledDown")
+    assert obj["status"]["lastScaleTime"] > scaled_up_at
+    assert obj["status"]["autoscaling"]["desiredReplicas"] == 1
 
     events = get_json(cluster, "events", "-n", namespace, "--field-selector", "involvedObject.name=busy")["items"]
     reasons = [e["reason"] for e in events]

@@ -17,6 +17,9 @@ from kubernetes.client import Configuration
 
 from pagefleet.operator.resources import FIELD_MANAGER, GROUP, PLURAL, VERSION
 
+# Who set spec.replicas, as managedFields and `kubectl get --show-managed-fields` tell it.
+AUTOSCALER_FIELD_MANAGER = "pagefleet-autoscaler"
+
 # Kinds the operator writes or reads -> (API prefix, plural).
 PATHS = {
     ("apps/v1", "Deployment"): ("/apis/apps/v1", "deployments"),
@@ -100,8 +103,8 @@ class Kube:
     def scale(self, namespace: str, name: str, replicas: int) -> None:
         """Sets an InferenceService's spec.replicas through its scale subresource, as `kubectl scale` does."""
         path = self.path(f"{GROUP}/{VERSION}", "InferenceService", namespace, name) + "/scale"
-        self.request("PATCH", path, json={"spec": {"replicas": replicas}},
-                     content_type="application/merge-patch+json")
+        self.request("PATCH", path, params={"fieldManager": AUTOSCALER_FIELD_MANAGER},
+                     json={"spec": {"replicas": replicas}}, content_type="application/merge-patch+json")
 
     # --- reads ---------------------------------------------------------------------------------
 
