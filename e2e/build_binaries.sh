@@ -28,9 +28,10 @@ if have_all; then
   exit 0
 fi
 
-GO="$(command -v go || true)"
-[[ -z "$GO" && -x /usr/local/go/bin/go ]] && GO=/usr/local/go/bin/go
-if [[ -z "$GO" ]]; then
+# PAGEFLEET_GO names a toolchain explicitly (and lets the no-Go message be tested).
+GO="${PAGEFLEET_GO:-$(command -v go || true)}"
+[[ -z "${PAGEFLEET_GO:-}" && -z "$GO" && -x /usr/local/go/bin/go ]] && GO=/usr/local/go/bin/go
+if [[ -z "$GO" || ! -x "$GO" ]]; then
   cat >&2 <<'EOF'
 ERROR: the e2e Kubernetes control plane is built from source and needs a Go toolchain (>= 1.24),
 which was not found on PATH or at /usr/local/go/bin/go.

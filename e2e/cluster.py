@@ -13,6 +13,7 @@ there records the processes, and a second `up` on a running state dir fails inst
 from __future__ import annotations
 
 import argparse
+import ctypes
 import fcntl
 import json
 import os
@@ -55,8 +56,17 @@ def _alive(pid: int, start_time: str | None) -> bool:
     return start_time is not None and process_start_time(pid) == start_time
 
 
+def _die_with_parent() -> None:
+    """preexec_fn: the kernel sends SIGTERM when the process that started us exits."""
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 class Cluster:
-    def __init__(self, state_dir: Path | str = DEFAULT_STATE_DIR):
+    def __init__(self, state_dir: Path | str = DEFAULT_STATE_DIR, die_with_parent: bool = False):
+        """die_with_parent: components stop when this process dies (pytest killed mid-run);
+        the CLI leaves it off, its `up` exits while the cluster keeps running."""
+        self.die_with_parent = die_with_parent
         self.state = Path(state_dir).resolve()
         self.record_path = self.state / "cluster.json"
         self.kubeconfig = self.state / "kubeconfig"
@@ -145,7 +155,8 @@ class Cluster:
             log = open(self.logs_dir / f"{comp.name}.log", "ab")
             # Own session: survives the `up` command, and `down` can signal its whole group.
             proc = subprocess.Popen(comp.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                    env=env, cwd=self.state, start_new_session=True)
+                                    env=env, cwd=self.state, start_new_session=True,
+                                    preexec_fn=_die_with_parent if self.die_with_parent else None)
             log.close()
             rec["processes"].append({"name": comp.name, "pid": proc.pid,
                                      "start_time": process_start_time(proc.pid)})

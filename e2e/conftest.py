@@ -30,6 +30,7 @@ E2E_DIR = Path(__file__).resolve().parent
 # the setup of whichever e2e test runs first.
 E2E_TIMEOUT = 2700
 _kept_state_dirs: list[str] = []
+_timings: list[str] = []
 
 
 class E2ECluster:
@@ -107,7 +108,7 @@ def cluster(request):
         env = {"KUBECONFIG": external, "PATH": os.environ["PATH"]}
         handle = E2ECluster(external, env, None, None)
     else:
-        local = cluster_mod.Cluster(tempfile.mkdtemp(prefix="pagefleet-e2e-"))
+        local = cluster_mod.Cluster(tempfile.mkdtemp(prefix="pagefleet-e2e-"), die_with_parent=True)
         try:
             t0 = time.monotonic()
             cluster_mod.build_binaries()
@@ -116,8 +117,9 @@ def cluster(request):
         except cluster_mod.ClusterError as err:
             _keep(local)
             pytest.fail(f"e2e cluster did not come up: {err}", pytrace=False)
-        print(f"\n[e2e] binaries ready in {build_seconds:.1f}s; cluster up in {up_seconds:.1f}s "
-              f"(state {local.state})", file=sys.stderr)
+        _timings.append(f"e2e: binaries ready in {build_seconds:.1f}s; cluster up in {up_seconds:.1f}s "
+                        f"(state dir {local.state})")
+        print(f"\n[{_timings[-1]}]", file=sys.stderr)
         handle = E2ECluster(str(local.kubeconfig), local.env(), local.state, up_seconds)
     os.environ.update(handle.env)
     request.session.e2e_cluster = handle
@@ -163,5 +165,7 @@ def pytest_runtest_makereport(item, call):
 
 
 def pytest_terminal_summary(terminalreporter):
+    for line in _timings:
+        terminalreporter.write_line(line)
     for state in _kept_state_dirs:
         terminalreporter.write_line(f"e2e: cluster logs kept in {state}/logs (pod logs: {state}/pods)")

@@ -189,3 +189,80 @@ def test_up_is_fast_with_cached_binaries_and_refuses_a_second_up(cluster):
     helm = subprocess.run(["helm", "version", "--short"], capture_output=True, text=True,
                           env=dict(os.environ, **cluster.env))
     assert helm.returncode == 0 and helm.stdout.startswith("v3."), helm.stdout + helm.stderr
+
+
+READINESS_DEPLOYMENT = HTTP_DEPLOYMENT.replace("replicas: 2", "replicas: 1").replace(
+    "httpGet: {path: /, port: http}", "httpGet: {path: /ready.txt, port: http}\n          failureThreshold: 1")
+
+
+def test_readiness_probe_drives_ready_condition_and_endpointslice(cluster, namespace):
+    if not cluster.local:
+        pytest.skip("flips readiness through the pod's local working directory")
+    cluster.apply(READINESS_DEPLOYMENT, namespace)
+
+    def pod_running():
+        pods = cluster.kubectl_json("get", "pods", "-n", namespace, "-l", "app=web")["items"]
+        return pods[0] if pods and pods[0]["status"].get("phase") == "Running" else None
+    name = cluster.wait_for("the pod to run", pod_running, timeout=60)["metadata"]["name"]
+
+    def ready_and_slice():
+        pod = cluster.kubectl_json("get", "pod", "-n", namespace, name)
+        ready = [c["status"] for c in pod["status"]["conditions"] if c["type"] == "Ready"]
+        slices = cluster.kubectl_json("get", "endpointslices", "-n", namespace,
+                                      "-l", "kubernetes.io/service-name=web")["items"]
+        in_slice = [e["conditions"].get("ready") for s in slices for e in (s.get("endpoints") or [])]
+        return ready, in_slice
+    # http.server serves the pod's working directory: /ready.txt answers 404 until it exists.
+    time.sleep(3)
+    assert ready_and_slice() == (["False"], [False])
+    ready_file = cluster.pod_log_path(namespace, name, "http").parent / "ready.txt"
+    ready_file.write_text("ok")
+    cluster.wait_for("Ready=True and a ready EndpointSlice endpoint",
+                     lambda: ready_and_slice() == (["True"], [True]), timeout=30)
+    ready_file.unlink()
+    cluster.wait_for("Ready=False again after the probe fails",
+                     lambda: ready_and_slice() == (["False"], [False]), timeout=30)
+
+
+ENV_POD = """
+apiVersion: v1
+kind: Pod
+metadata:
+  name: envcheck
+  labels: {role: check}
+spec:
+  restartPolicy: Never
+  containers:
+  - name: main
+    image: python:3.12-slim
+    command: ["sh", "-c"]
+    args:
+    - echo "ip=$POD_IP name=$POD_NAME ns=$POD_NS role=$ROLE greeting=$GREETING" 'literal=$$(POD_NAME)';
+      kubectl auth whoami -o jsonpath='user={.status.userInfo.username}'
+    env:
+    - {name: POD_IP, valueFrom: {fieldRef: {fieldPath: status.podIP}}}
+    - {name: POD_NAME, valueFrom: {fieldRef: {fieldPath: metadata.name}}}
+    - {name: POD_NS, valueFrom: {fieldRef: {fieldPath: metadata.namespace}}}
+    - {name: ROLE, valueFrom: {fieldRef: {fieldPath: "metadata.labels['role']"}}}
+    - {name: GREETING, value: "hello $(POD_NAME)"}
+    resources:
+      limits: {nvidia.com/gpu: 1}
+"""
+
+
+def test_gpu_pod_gets_downward_api_env_and_its_service_account(cluster, namespace):
+    if not cluster.local:
+        pytest.skip("runs kubectl inside the pod: needs the local node agent")
+    cluster.apply(ENV_POD, namespace)
+    pod = cluster.wait_for("pod envcheck to succeed", lambda: (lambda p: p if p["status"].get("phase") in (
+        "Succeeded", "Failed") else None)(cluster.kubectl_json("get", "pod", "-n", namespace, "envcheck")),
+        timeout=60)
+    out = cluster.pod_logs(namespace, "envcheck")
+    assert pod["status"]["phase"] == "Succeeded", out
+    assert pod["spec"]["nodeName"] == "pagefleet-node"  # scheduled despite asking for a GPU
+    ip = pod["status"]["podIP"]
+    assert f"ip={ip} name=envcheck ns={namespace} role=check greeting=hello envcheck literal=$(POD_NAME)" in out
+    # The agent gave the process a kubeconfig with a token bound to the pod's service account.
+    assert f"user=system:serviceaccount:{namespace}:default" in out
+    state = pod["status"]["containerStatuses"][0]["state"]["terminated"]
+    assert state["exitCode"] == 0 and state["reason"] == "Completed"
