@@ -91,8 +91,8 @@ class ModelRunner:
         return input_ids, positions, slots, seq_lens, cu, tables, logits_rows
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> torch.Tensor:
-        """Forward the scheduled tokens; returns logits [rows, vocab] for the sequences that sample."""
+    def run(self, batch: ScheduledBatch) -> torch.Tensor | None:
+        """Forward the scheduled tokens; returns logits [rows, vocab] for the sequences that sample (None if none do)."""
         if batch.copies:
             self.kv.copy_blocks(batch.copies)
         input_ids, positions, slots, seq_lens, cu, tables, logits_rows = self.prepare(batch)
@@ -113,7 +113,9 @@ class ModelRunner:
             set_attention_metadata(meta)
             hidden = self.model(torch.tensor(input_ids, dtype=torch.long, device=dev), torch.tensor(positions, dtype=torch.long, device=dev))
             set_attention_metadata(None)
-        rows = hidden if len(logits_rows) == hidden.shape[0] else hidden[torch.tensor(logits_rows, device=self.device)]
+        if not logits_rows:  # only unfinished prompt chunks this step: nothing samples
+            return None
+        rows = hidden if len(logits_rows) == hidden.shape[0] else hidden[torch.tensor(logits_rows, dtype=torch.long, device=self.device)]
         return self.model.compute_logits(rows)
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]):

@@ -1,0 +1,58 @@
+"""Checkpoints for the engine tests: the bundled SmolLM2 and tiny random-weight Llama / Qwen2 / Qwen3 folders.
+
+The tiny ones are written with transformers' own classes and save_pretrained, so our loader reads them
+exactly as it reads a user's checkpoint; they reuse the bundled tokenizer.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from pagefleet.worker.loader import bundled_model_path
+
+TINY_ARCHS = ("llama", "qwen2", "qwen3")
+
+
+def tiny_model(arch: str, folder: Path) -> Path:
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    if (folder / "config.json").exists():
+        return folder
+    common = dict(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=1024, eos_token_id=2, bos_token_id=1, tie_word_embeddings=False,
+        initializer_range=0.5,  # peaked logits, so greedy choices are not near-ties
+    )
+    if arch == "llama":
+        config = LlamaConfig(**common, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 128}, rope_theta=500000.0)
+        cls = LlamaForCausalLM
+    elif arch == "qwen2":
+        config, cls = Qwen2Config(**common), Qwen2ForCausalLM
+    else:
+        config, cls = Qwen3Config(**common, head_dim=32), Qwen3ForCausalLM
+    torch.manual_seed(0)
+    model = cls(config).eval()
+    if arch == "qwen2":  # Qwen2 has q/k/v biases: make them count
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.q_proj.bias.normal_(0, 0.5)
+                layer.self_attn.k_proj.bias.normal_(0, 0.5)
+    model.save_pretrained(folder)
+    AutoTokenizer.from_pretrained(bundled_model_path()).save_pretrained(folder)
+    return folder
+
+
+def hf_greedy(path: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """transformers generate(), one prompt at a time (no padding), greedy, fp32."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    outs = []
+    with torch.inference_mode():
+        for ids in prompts:
+            x = torch.tensor([ids])
+            y = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, pad_token_id=0)
+            outs.append(y[0, len(ids):].tolist())
+    return outs
