@@ -17,6 +17,7 @@ import ctypes
 import fcntl
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -56,10 +57,14 @@ def _alive(pid: int, start_time: str | None) -> bool:
     return start_time is not None and process_start_time(pid) == start_time
 
 
-def _die_with_parent() -> None:
-    """preexec_fn: the kernel sends SIGTERM when the process that started us exits."""
-    PR_SET_PDEATHSIG = 1
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+def _die_with_parent(sig: int):
+    """A preexec_fn: the kernel sends `sig` to the child when the process that started it exits."""
+
+    def preexec() -> None:
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, sig)
+
+    return preexec
 
 
 class Cluster:
@@ -156,7 +161,7 @@ class Cluster:
             # Own session: survives the `up` command, and `down` can signal its whole group.
             proc = subprocess.Popen(comp.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                     env=env, cwd=self.state, start_new_session=True,
-                                    preexec_fn=_die_with_parent if self.die_with_parent else None)
+                                    preexec_fn=self._death_signal(comp.name))
             log.close()
             rec["processes"].append({"name": comp.name, "pid": proc.pid,
                                      "start_time": process_start_time(proc.pid)})
@@ -169,6 +174,13 @@ class Cluster:
                                        f"{self.log_tail(comp.name)}")
                 time.sleep(0.25)
             say(f"{comp.name} ready in {time.monotonic() - t0:.1f}s (pid {proc.pid})")
+
+    def _death_signal(self, name: str):
+        """With die_with_parent: SIGTERM for the node agent (it stops its pods), SIGKILL for the
+        rest (a SIGTERMed apiserver waits forever for an etcd that died beside it)."""
+        if not self.die_with_parent:
+            return None
+        return _die_with_parent(signal.SIGTERM if name == "node-agent" else signal.SIGKILL)
 
     def log_tail(self, name: str, lines: int = 30) -> str:
         try:
@@ -240,7 +252,7 @@ def main(argv=None) -> int:
             cluster.down()
         elif args.command == "env":
             for key, value in cluster.env().items():
-                print(f"export {key}={value}")
+                print(f"export {key}={shlex.quote(value)}")
         else:
             running = cluster.running_processes()
             for proc in running:

@@ -139,8 +139,8 @@ class NodeAgent:
         """Once a pod's processes are gone after a stop, free its IP and delete the pod object."""
         while not self.stopping.wait(0.3):
             with self.lock:
-                finished = [(uid, r) for uid, r in self.pods.items() if not r.thread.is_alive()
-                            and r.thread.ident is not None and r._stop_grace is not None]
+                finished = [(uid, r) for uid, r in self.pods.items() if r.stop_requested
+                            and r.thread.ident is not None and not r.thread.is_alive()]
                 for uid, _ in finished:
                     del self.pods[uid]
             for _, runtime in finished:

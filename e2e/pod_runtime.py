@@ -66,6 +66,10 @@ class PodRuntime:
         self._stop_grace = float(grace_seconds)
         self._wake.set()
 
+    @property
+    def stop_requested(self) -> bool:
+        return self._stop_grace is not None
+
     def log_path(self, container: str) -> Path:
         return self.pod_dir / f"{container}.log"
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import socket
 import ssl
 import subprocess
-import time
 import urllib.error
 import urllib.request
 
@@ -97,7 +96,3 @@ def probe_states(container: dict, started_at: float) -> dict[str, ProbeState]:
         if container.get(kind):
             states[kind] = ProbeState(kind, container[kind], started_at)
     return states
-
-
-def now() -> float:
-    return time.monotonic()
