@@ -14,12 +14,15 @@ HELM_VERSION="v3.19.5"   # keep in step with e2e/gobuild/helm/go.mod
 CACHE_ROOT="${PAGEFLEET_K8S_CACHE:-$HOME/.cache/pagefleet/k8s}"
 DEST="$CACHE_ROOT/$KUBE_VERSION"
 BINARIES=(etcd kube-apiserver kube-controller-manager kube-scheduler kubectl helm)
+# What the cached binaries were built from; a change here (a pin, the patch below) rebuilds them.
+STAMP="kubernetes=$KUBE_VERSION etcd=v3.6.4 helm=$HELM_VERSION patch=endpoint-ip-loopback-1"
 
 log() { echo "[build_binaries $(date +%H:%M:%S)] $*" >&2; }
 
 have_all() {
   local b
   for b in "${BINARIES[@]}"; do [[ -x "$DEST/$b" ]] || return 1; done
+  [[ "$(cat "$DEST/BUILD_STAMP" 2>/dev/null)" == "$STAMP" ]]
 }
 
 if have_all; then
@@ -133,6 +136,7 @@ rc=${PIPESTATUS[0]}
 set -e
 (( rc == 0 )) || { log "go build of helm failed (rc=$rc)"; exit "$rc"; }
 
+echo "$STAMP" > "$STAGE/BUILD_STAMP"
 # Publish atomically: a cache directory either holds every binary or does not exist.
 rm -rf "$DEST"
 mv "$STAGE" "$DEST"
