@@ -50,7 +50,8 @@ class ServerState:
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
         self.max_num_seqs = engine.load()["max_num_seqs"]
-        model_vocab = getattr(getattr(engine, "model_config", None), "vocab_size", None)
+        core = getattr(engine, "engine", engine)  # AsyncLLMEngine wraps the LLMEngine that knows the model
+        model_vocab = getattr(getattr(core, "model_config", None), "vocab_size", None)
         self.vocab_size = min(len(self.tokenizer), model_vocab or len(self.tokenizer))
         self._token_text: dict[int, str] = {}
 
@@ -344,8 +345,8 @@ def build_app(engine, served_model_name: str | list[str] | None = None, api_key:
         param = loc[0] if loc else None
         where = ".".join(loc)
         message = f"{where}: {first.get('msg', 'invalid request')}" if where else first.get("msg", "invalid request")
-        if first.get("type") == "json_invalid":
-            message = f"The body is not valid JSON: {first.get('ctx', {}).get('error', '')}".strip()
+        if first.get("type") == "json_invalid":  # its loc is a character position, not a param
+            message, param = f"The body is not valid JSON: {first.get('ctx', {}).get('error', '')}".strip(), None
         return _error_response(APIError(400, message, param=param))
 
     @app.exception_handler(StarletteHTTPException)
