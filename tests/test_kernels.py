@@ -147,6 +147,11 @@ def test_dispatch_uses_reference_on_cpu():
     x = torch.randn(3, 2 * 8)
     assert torch.equal(kernels.silu_and_mul(x), ref.silu_and_mul(x))
     assert isinstance(kernels.triton_available(), bool)
+    # Triton-only tuning knobs are dropped on the reference path; `out` is honoured.
+    k_cache, v_cache, bt, seq_lens = make_paged([5, 20], 1, 8, 16, torch.float32, torch.Generator().manual_seed(0))
+    q, out = torch.randn(2, 2, 8), torch.full((2, 2, 8), float("nan"))
+    kernels.paged_decode_attention(q, k_cache, v_cache, bt, seq_lens, out=out, num_splits=4, block_n=16)
+    assert torch.equal(out, ref.paged_decode_attention(q, k_cache, v_cache, bt, seq_lens))
 
 
 def test_triton_kernels_under_interpreter():

@@ -123,3 +123,20 @@ def test_triton_fp8_quantize():
     off = a != b
     assert off.float().mean() < 0.1
     assert torch.equal(a[off] * 2, b[off]) and torch.equal(torch.log2(b[off].abs()).round(), torch.log2(b[off].abs()))
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_triton_attention_odd_shapes(block_size):
+    """head_dim not a power of two (padded lanes) and 3 query heads per KV head (padded rows)."""
+    gen = torch.Generator().manual_seed(10)
+    lens, q_lens = [45, 70], [45, 3]
+    k_cache, v_cache, bt, seq_lens = make_paged(lens, 2, 24, block_size, torch.float32, gen)
+    q = torch.randn(2, 6, 24, generator=gen)
+    expected = ref.paged_decode_attention(q, k_cache, v_cache, bt, seq_lens)
+    close(TK["attention"].paged_decode_attention(q, k_cache, v_cache, bt, seq_lens, num_splits=2, block_n=32),
+          expected, torch.float32)
+    cu = torch.tensor([0, 45, 48], dtype=torch.int32)
+    q = torch.randn(48, 6, 24, generator=gen)
+    expected = ref.paged_prefill_attention(q, k_cache, v_cache, bt, seq_lens, cu)
+    close(TK["attention"].paged_prefill_attention(q, k_cache, v_cache, bt, seq_lens, cu, block_m=16, block_n=32),
+          expected, torch.float32)
