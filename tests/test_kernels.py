@@ -22,7 +22,7 @@ TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.5e-2}
 
 
 def close(actual, expected, dtype):
-    """Relative Frobenius error, as METHOD.md suggests; NaN never passes."""
+    """Relative Frobenius error against the (fp32) reference; NaN never passes."""
     a, e = actual.double(), expected.double()
     assert torch.isfinite(a).all()
     err = ((a - e).norm() / e.norm().clamp(min=1e-12)).item()
