@@ -157,9 +157,14 @@ def load_weights(model: torch.nn.Module, path: Path, device: torch.device) -> No
 
 def build_model(config: ModelConfig, path: Path, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
     cls = model_class(config.architecture)
-    with torch.device("meta"):
-        model = cls(config)
-    model = model.to_empty(device=device).to(dtype)  # no random init: every parameter is overwritten by the loader
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # parameters are born in the serving dtype: no float32 copy of the model
+    try:
+        with torch.device("meta"):
+            model = cls(config)
+    finally:
+        torch.set_default_dtype(default_dtype)
+    model = model.to_empty(device=device)  # no random init: every parameter is overwritten by the loader
     load_weights(model, path, device)
     model.post_load(device)
     return model.eval()

@@ -36,10 +36,10 @@ class Sampler:
         want_logprobs = [s.params.logprobs is not None for s in seqs]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
         logits = self._apply_penalties(logits, seqs)
-        greedy = torch.tensor([s.params.greedy for s in seqs], device=logits.device)
+        greedy = [s.params.greedy for s in seqs]
         tokens = logits.argmax(dim=-1)
-        if not bool(greedy.all()):
-            tokens = torch.where(greedy, tokens, self._sample_random(logits, seqs))
+        if not all(greedy):  # decided on the host: no device sync before the one transfer below
+            tokens = torch.where(torch.tensor(greedy, device=logits.device), tokens, self._sample_random(logits, seqs))
         tokens_list = tokens.tolist()
         return tokens_list, self._logprobs(raw_logprobs, tokens, seqs, want_logprobs)
 
