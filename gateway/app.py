@@ -111,6 +111,7 @@ async def serve(args: argparse.Namespace, settings: ProxySettings, policy: Routi
     _mount_metrics(proxy_server.app, prober)
     # Without a database LiteLLM answers a wrong key with 400 "No connected db."; ours says 401.
     app = MasterKeyOnly(proxy_server.app, settings.master_key, database=bool(os.environ.get("DATABASE_URL")))
+    app = NotReadyUntilRouting(app)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
                                            log_level="warning", timeout_graceful_shutdown=5))
     server_task = asyncio.create_task(server.serve(), name="litellm-proxy")
@@ -133,6 +134,7 @@ async def serve(args: argparse.Namespace, settings: ProxySettings, policy: Routi
         _install_strategy(router, prober, policy)
     prober.start()
     stop_watch = start_kubernetes_membership(fleet, args.namespace) if args.kubernetes else None
+    app.ready = True
     log.info("gateway on %s:%d, routing %s, %d static worker(s)%s", args.host, args.port, args.routing,
              len(args.worker), f", watching EndpointSlices in {args.namespace}" if args.kubernetes else "")
     try:
@@ -141,6 +143,22 @@ async def serve(args: argparse.Namespace, settings: ProxySettings, policy: Routi
         if stop_watch:
             stop_watch.set()
         await prober.stop()
+
+
+class NotReadyUntilRouting:
+    """/health/readiness answers 503 until our strategy is installed: LiteLLM's own readiness turns
+    green as soon as uvicorn listens, and a request routed before that would bypass the strategy."""
+
+    def __init__(self, app):
+        self.app = app
+        self.ready = False
+
+    async def __call__(self, scope, receive, send):
+        if not self.ready and scope["type"] == "http" and scope["path"] == "/health/readiness":
+            await send({"type": "http.response.start", "status": 503, "headers": [(b"content-type", b"text/plain")]})
+            await send({"type": "http.response.body", "body": b"starting"})
+            return
+        await self.app(scope, receive, send)
 
 
 def _install_strategy(router, prober, policy: RoutingPolicy) -> None:

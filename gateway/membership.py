@@ -82,21 +82,30 @@ def ready_workers(slice_obj: dict, served_model_name: str) -> set[tuple[str, str
     return out
 
 
-def watch_endpointslices(namespace: str, on_change: Callable[[set[tuple[str, str]]], None],
+def kubernetes_client():
+    """In a pod, its service account; elsewhere $KUBECONFIG or ~/.kube/config. A clear error if neither."""
+    from kubernetes import client, config
+
+    try:
+        config.load_incluster_config()
+    except config.ConfigException:
+        try:
+            config.load_kube_config()
+        except (config.ConfigException, OSError) as exc:
+            raise SystemExit(f"pagefleet gateway --kubernetes: no in-cluster config and no kubeconfig ({exc})")
+    return client.ApiClient()
+
+
+def watch_endpointslices(api, namespace: str, on_change: Callable[[set[tuple[str, str]]], None],
                          stop: threading.Event) -> None:
     """Blocking: lists and watches the slices, calling `on_change(all ready workers)` after each event.
 
     Runs on its own thread (the kubernetes client is synchronous); restarts the watch when the
     API server closes it or the resourceVersion expires.
     """
-    from kubernetes import client, config, watch
+    from kubernetes import client, watch
 
-    try:
-        config.load_incluster_config()
-    except config.ConfigException:
-        config.load_kube_config()
-    discovery, core = client.DiscoveryV1Api(), client.CoreV1Api()
-    api = client.ApiClient()
+    discovery, core = client.DiscoveryV1Api(api), client.CoreV1Api(api)
     selector = INSTANCE_LABEL
     slices: dict[str, dict] = {}  # slice name -> slice as a plain dict
     model_of_service: dict[str, str] = {}
@@ -150,12 +159,13 @@ def watch_endpointslices(namespace: str, on_change: Callable[[set[tuple[str, str
 
 def start_kubernetes_membership(fleet: Fleet, namespace: str) -> threading.Event:
     """Runs the watch on a daemon thread; every change is applied on the event loop's thread."""
+    api = kubernetes_client()
     loop = asyncio.get_running_loop()
     stop = threading.Event()
 
     def on_change(wanted: set[tuple[str, str]]) -> None:
         loop.call_soon_threadsafe(fleet.sync, wanted)
 
-    threading.Thread(target=watch_endpointslices, args=(namespace, on_change, stop),
+    threading.Thread(target=watch_endpointslices, args=(api, namespace, on_change, stop),
                      name="pagefleet-endpointslice-watch", daemon=True).start()
     return stop

@@ -26,7 +26,9 @@ pytestmark = pytest.mark.slow
 MODEL = "smol"
 MASTER_KEY = "sk-pagefleet-e2e"
 WORKER_FLAGS = ["--max-model-len", "512", "--max-num-seqs", "2", "--max-queue", "64"]
-BUSY_REQUESTS = 7  # long requests sent straight to one worker: 2 running, 5 waiting (saturated)
+# Long requests sent straight to one worker: 2 running, 8 waiting. Its queue stays deeper than the idle
+# worker's would be after the whole burst, so sending the burst there is right by queue depth alone.
+BUSY_REQUESTS = 10
 BURST = 6
 
 
@@ -180,7 +182,7 @@ async def test_wrong_or_missing_key_is_401_and_health_is_open(fleet):
 async def _burst_while_busy(busy: Proc, gw: Proc) -> tuple[list[float], list[str]]:
     """Keeps `busy` full with long requests sent to it directly, then sends a burst through `gw`."""
     async with httpx.AsyncClient(timeout=600) as h:
-        body = {"model": MODEL, "prompt": "Write a long story about a dragon.", "max_tokens": 16,
+        body = {"model": MODEL, "prompt": "Write a long story about a dragon.", "max_tokens": 12,
                 "ignore_eos": True, "temperature": 0}
         long_ones = [asyncio.create_task(h.post(busy.url + "/v1/completions", json=body))
                      for _ in range(BUSY_REQUESTS)]
