@@ -87,7 +87,7 @@ def server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def small_server(tmp_path_factory):
-    s = Server(tmp_path_factory.mktemp("small") / "server.log", "--max-model-len", "48", "--max-num-seqs", "8",
+    s = Server(tmp_path_factory.mktemp("small") / "server.log", "--max-model-len", "40", "--max-num-seqs", "8",
                "--max-queue", "4", "--drain-timeout", "60")
     yield s
     s.stop()
