@@ -1,0 +1,153 @@
+"""Gateway membership from Kubernetes, on the real control plane of e2e/ (pods are local processes).
+
+The operator turns an InferenceService into a Deployment and a Service labelled
+pagefleet.io/inference-service=<name>; the EndpointSlice controller publishes the ready pods.
+`pagefleet gateway --kubernetes` watches those slices: scaling the InferenceService from 1 to 2
+replicas must add the new pod to the running gateway, and deleting a pod must remove it.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.e2e
+
+SERVED = "smol-gw"
+MASTER_KEY = "sk-pagefleet-k8s"
+READY_TIMEOUT = 600  # workers load the bundled model on a small shared CPU
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start(cmd: list[str], env: dict, log_path: Path) -> subprocess.Popen:
+    log = open(log_path, "a")
+    # cwd outside the checkout: its top-level operator/ would shadow the standard library's operator.
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=log_path.parent)
+    log.close()
+    return proc
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(30)
+
+
+@pytest.fixture(scope="module")
+def setup(cluster, tmp_path_factory):
+    import os
+
+    tmp = tmp_path_factory.mktemp("gateway-k8s")
+    env = {**os.environ, **cluster.env, "KUBECONFIG": str(cluster.kubeconfig), "PYTHONUNBUFFERED": "1",
+           "OMP_NUM_THREADS": "1"}
+    model = subprocess.run([sys.executable, "-c", "from pagefleet.worker.loader import bundled_model_path; "
+                            "print(bundled_model_path())"], capture_output=True, text=True, timeout=900,
+                           cwd=tmp, env=env)
+    assert model.returncode == 0, model.stderr
+    model_path = model.stdout.strip().splitlines()[-1]
+    cluster.kubectl("apply", "--server-side", "-f", str(ROOT / "crds"))
+    cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/inferenceservices.pagefleet.io")
+    ns = f"pf-gw-{uuid.uuid4().hex[:6]}"
+    cluster.kubectl("create", "namespace", ns)
+    operator = _start([sys.executable, "-m", "pagefleet", "operator", "--namespace", ns], env, tmp / "operator.log")
+    port = _free_port()
+    gateway = _start([sys.executable, "-m", "pagefleet", "gateway", "--kubernetes", "--namespace", ns,
+                      "--host", "127.0.0.1", "--port", str(port), "--master-key", MASTER_KEY,
+                      "--probe-interval-ms", "200"], env, tmp / "gateway.log")
+    handle = {"ns": ns, "model_path": model_path, "gateway": gateway, "url": f"http://127.0.0.1:{port}",
+              "logs": tmp}
+    try:
+        yield handle
+    finally:
+        _stop(gateway)
+        cluster.kubectl("delete", "infsvc", "--all", "-n", ns, "--wait=false", check=False)
+        _stop(operator)
+        cluster.kubectl("delete", "namespace", ns, "--wait=false", check=False)
+        for name in ("gateway.log", "operator.log"):
+            print(f"---- {name} (tail) ----\n" + "\n".join((tmp / name).read_text(errors="replace")
+                                                            .splitlines()[-40:]))
+
+
+def gateway_workers(url: str) -> dict[str, float]:
+    """worker URL -> last probe up (1.0 / 0.0), from the gateway's own metrics."""
+    try:
+        text = httpx.get(url + "/pagefleet/metrics", timeout=2).text
+    except httpx.HTTPError:
+        return {}
+    return {m.group(1): float(m.group(2))
+            for m in re.finditer(r'^pagefleet_gateway_worker_up\{worker="([^"]+)"\} (\S+)$', text, re.M)}
+
+
+def ready_pod_urls(cluster, ns: str) -> set[str]:
+    pods = cluster.kubectl_json("get", "pods", "-n", ns, "-l", "pagefleet.io/inference-service=smol")["items"]
+    return {f"http://{p['status']['podIP']}:8000" for p in pods
+            if p["metadata"].get("deletionTimestamp") is None and p.get("status", {}).get("podIP")
+            and any(c["type"] == "Ready" and c["status"] == "True" for c in p["status"].get("conditions") or [])}
+
+
+def test_scale_up_adds_and_pod_deletion_removes_workers_live(cluster, setup):
+    ns, url, gateway = setup["ns"], setup["url"], setup["gateway"]
+    body = {"apiVersion": "pagefleet.io/v1alpha1", "kind": "InferenceService", "metadata": {"name": "smol"},
+            "spec": {"replicas": 1, "model": {"name": SERVED, "hostPath": {"path": setup["model_path"]}},
+                     "resources": {"gpus": 0}, "engine": {"maxModelLen": 512, "maxNumSeqs": 2},
+                     "drainSeconds": 2}}
+    cluster.apply(yaml.safe_dump(body), namespace=ns)
+
+    first = cluster.wait_for("one ready worker pod", lambda: ready_pod_urls(cluster, ns), timeout=READY_TIMEOUT)
+
+    def up(want: set[str]):
+        def check():
+            workers = gateway_workers(url)
+            return set(workers) == want and all(v == 1.0 for v in workers.values())
+        return check
+
+    cluster.wait_for(f"the gateway to list {first}", up(first), timeout=60)
+    client = openai.OpenAI(base_url=url + "/v1", api_key=MASTER_KEY, max_retries=0, timeout=120)
+    answer = client.completions.create(model=SERVED, prompt="Hello", max_tokens=3)
+    assert answer.choices[0].text
+
+    cluster.kubectl("scale", "infsvc", "smol", "-n", ns, "--replicas=2")
+    def two_ready():
+        urls = ready_pod_urls(cluster, ns)
+        return urls if len(urls) == 2 else None
+
+    both = cluster.wait_for("two ready worker pods", two_ready, timeout=READY_TIMEOUT)
+    cluster.wait_for(f"the gateway to list both {both}", up(both), timeout=60)
+    assert gateway.poll() is None, "the gateway restarted"
+    served = set()
+    deadline = time.time() + 60
+    while served != both and time.time() < deadline:
+        raw = client.completions.with_raw_response.create(model=SERVED, prompt="Hi", max_tokens=2)
+        served.add(raw.headers["x-litellm-model-api-base"].removesuffix("/v1"))
+    assert served == both, f"requests reached {served}, not both of {both}"
+
+    pods = cluster.kubectl_json("get", "pods", "-n", ns, "-l", "pagefleet.io/inference-service=smol")["items"]
+    victim = next(p for p in pods if f"http://{p['status']['podIP']}:8000" in both)
+    victim_url = f"http://{victim['status']['podIP']}:8000"
+    cluster.kubectl("delete", "pod", victim["metadata"]["name"], "-n", ns, "--wait=false")
+    cluster.wait_for(f"the gateway to drop {victim_url}", lambda: victim_url not in gateway_workers(url), timeout=60)
+    for _ in range(4):  # the survivor serves everything meanwhile
+        raw = client.completions.with_raw_response.create(model=SERVED, prompt="Hi", max_tokens=2)
+        assert raw.headers["x-litellm-model-api-base"].removesuffix("/v1") != victim_url
+    assert gateway.poll() is None, "the gateway restarted"
