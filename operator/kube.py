@@ -6,6 +6,7 @@ A small JSON-over-HTTPS client: credentials come from the kubernetes library's c
 
 from __future__ import annotations
 
+import datetime
 import ssl
 import threading
 from typing import Any, Mapping
@@ -105,6 +106,29 @@ class Kube:
         path = self.path(f"{GROUP}/{VERSION}", "InferenceService", namespace, name) + "/scale"
         self.request("PATCH", path, params={"fieldManager": AUTOSCALER_FIELD_MANAGER},
                      json={"spec": {"replicas": replicas}}, content_type="application/merge-patch+json")
+
+    def patch_status(self, namespace: str, name: str, fields: Mapping[str, Any]) -> None:
+        """Merge-patches status fields of an InferenceService (None removes a field)."""
+        path = self.path(f"{GROUP}/{VERSION}", "InferenceService", namespace, name) + "/status"
+        self.request("PATCH", path, params={"fieldManager": FIELD_MANAGER},
+                     json={"status": dict(fields)}, content_type="application/merge-patch+json")
+
+    def post_event(self, body: Mapping[str, Any], type_: str, reason: str, message: str) -> None:
+        """A Kubernetes Event about the object, as `kubectl describe` and `kubectl get events` show it."""
+        meta = body["metadata"]
+        now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+        event = {
+            "apiVersion": "v1",
+            "kind": "Event",
+            "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
+            "involvedObject": {"apiVersion": body.get("apiVersion", f"{GROUP}/{VERSION}"),
+                               "kind": body.get("kind", "InferenceService"), "name": meta["name"],
+                               "namespace": meta["namespace"], "uid": meta["uid"]},
+            "type": type_, "reason": reason, "message": message[:1024],
+            "source": {"component": FIELD_MANAGER}, "reportingComponent": FIELD_MANAGER,
+            "firstTimestamp": now, "lastTimestamp": now, "count": 1,
+        }
+        self.request("POST", self.path("v1", "Event", meta["namespace"]), json=event)
 
     # --- reads ---------------------------------------------------------------------------------
 

@@ -1,0 +1,141 @@
+"""The operator's periodic pass over every InferenceService: status from its children, replicas from queue depth.
+
+One loop for the whole operator (not a kopf timer per object): timers would put a finalizer on every
+InferenceService, and an operator that is down or uninstalled would then block their deletion. Here
+nothing needs to run when an InferenceService goes: its children go by garbage collection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import logging
+import time
+from typing import Any, Iterable, Mapping
+
+from pagefleet.operator import autoscaler, kube, resources, status
+
+log = logging.getLogger("pagefleet.operator")
+
+
+def observed_status(client: kube.Kube, body: Mapping[str, Any]) -> dict[str, Any]:
+    """The status fields the Deployment, the pods, the claim and their events call for now."""
+    meta, spec = body["metadata"], body["spec"]
+    name, namespace = meta["name"], meta["namespace"]
+    deployment = client.get("apps/v1", "Deployment", namespace, name)
+    pods = client.list("v1", "Pod", namespace, label_selector=resources.selector_string(name))
+    # Worker pods belong to the Deployment's ReplicaSets; the label alone could match a stray pod.
+    pods = [p for p in pods if _made_by_replicaset(p)] if deployment else []
+    model = spec["model"]
+    claim = client.get("v1", "PersistentVolumeClaim", namespace, model["pvc"]["claimName"]) if "pvc" in model else None
+    pod_names = {p["metadata"]["name"] for p in pods}
+    failures = client.mount_failures(namespace, pod_names) if pod_names else {}
+    source = status.check_source(model, claim, failures, pods)
+    observed = status.compute(body, deployment, pods, source, resources.desired_replicas(spec),
+                              resources.WORKER_PORT, status.now_iso())
+    observed["selector"] = resources.selector_string(name)
+    return observed
+
+
+def _made_by_replicaset(pod: Mapping[str, Any]) -> bool:
+    return any(ref.get("kind") == "ReplicaSet" for ref in pod["metadata"].get("ownerReferences") or [])
+
+
+class Sweeper:
+    """Every `status_interval` seconds: refresh each InferenceService's status; every `autoscale_interval`,
+    probe the queues of those with spec.autoscaling and set their replicas."""
+
+    def __init__(self, client: kube.Kube, status_interval: float, autoscale_interval: float):
+        self.client = client
+        self.status_interval = status_interval
+        self.autoscale_interval = autoscale_interval
+        self.last_autoscale: dict[str, float] = {}  # uid -> monotonic time of its last autoscaling pass
+
+    async def run_forever(self, bodies: "callable[[], Iterable[Mapping[str, Any]]]") -> None:
+        while True:
+            started = time.monotonic()
+            await self.sweep(list(bodies()))
+            await asyncio.sleep(max(0.0, self.status_interval - (time.monotonic() - started)))
+
+    async def sweep(self, bodies: list[Mapping[str, Any]]) -> None:
+        live = {b["metadata"]["uid"] for b in bodies}
+        for uid in set(self.last_autoscale) - live:
+            del self.last_autoscale[uid]
+        for body in bodies:
+            if body["metadata"].get("deletionTimestamp"):
+                continue
+            try:
+                await asyncio.to_thread(self.refresh_status, body)
+                if body["spec"].get("autoscaling") and self._autoscale_due(body["metadata"]["uid"]):
+                    await self.autoscale(body)
+            except kube.ApiError as err:
+                if err.status != 404:  # 404: deleted since the index saw it
+                    log.warning("%s/%s: %s", body["metadata"]["namespace"], body["metadata"]["name"], err)
+            except Exception:  # one broken object must not stop the others' upkeep
+                log.exception("%s/%s: status/autoscaling pass failed",
+                              body["metadata"]["namespace"], body["metadata"]["name"])
+
+    def _autoscale_due(self, uid: str) -> bool:
+        now = time.monotonic()
+        if now - self.last_autoscale.get(uid, float("-inf")) < self.autoscale_interval:
+            return False
+        self.last_autoscale[uid] = now
+        return True
+
+    def refresh_status(self, body: Mapping[str, Any]) -> None:
+        """Patches the status fields that differ from what the children show."""
+        changes = status.changed_fields(body.get("status") or {}, observed_status(self.client, body))
+        if changes:
+            meta = body["metadata"]
+            self.client.patch_status(meta["namespace"], meta["name"], changes)
+
+    async def autoscale(self, body: Mapping[str, Any]) -> autoscaler.Decision:
+        """Probes each ready pod's /load and sets spec.replicas to keep the average queue near the target."""
+        meta, spec = body["metadata"], body["spec"]
+        name, namespace = meta["name"], meta["namespace"]
+        pods = await asyncio.to_thread(self.client.list, "v1", "Pod", namespace,
+                                       label_selector=resources.selector_string(name))
+        waiting = await autoscaler.probe_waiting(status.endpoints(pods, resources.WORKER_PORT))
+        settings = spec["autoscaling"]
+        previous = dict((body.get("status") or {}).get("autoscaling") or {})
+        decision = autoscaler.decide(
+            current=int(spec.get("replicas", 1)),
+            waiting=list(waiting.values()),
+            target=float(settings.get("targetQueueDepth", 4)),
+            min_replicas=int(settings.get("minReplicas", 1)),
+            max_replicas=int(settings["maxReplicas"]),
+            scale_down_delay=float(settings.get("scaleDownDelaySeconds", 300)),
+            now=time.time(),
+            low_since=_epoch(previous.get("lowLoadSince")),
+        )
+        report: dict[str, Any] = {
+            "averageQueueDepth": round(decision.average, 3) if decision.average is not None else None,
+            "desiredReplicas": decision.replicas,
+            "lowLoadSince": _iso(decision.low_since),
+            "lastDecision": f"{decision.reason}: {decision.message}",
+        }
+        same_decision = previous.get("lastDecision", "").startswith(decision.reason + ":")
+        if decision.changed:
+            await asyncio.to_thread(self.client.scale, namespace, name, decision.replicas)
+            log.info("%s/%s autoscaler %s: %s", namespace, name, decision.reason, decision.message)
+            await asyncio.to_thread(self.client.post_event, body, "Normal", decision.reason, decision.message)
+            await asyncio.to_thread(self.client.patch_status, namespace, name,
+                                    {"autoscaling": report, "lastScaleTime": status.now_iso()})
+        elif not same_decision or any(previous.get(k) != report[k] for k in ("desiredReplicas", "lowLoadSince")):
+            # A changing average alone is not worth a write every few seconds.
+            if not same_decision:
+                log.info("%s/%s autoscaler %s: %s", namespace, name, decision.reason, decision.message)
+            await asyncio.to_thread(self.client.patch_status, namespace, name, {"autoscaling": report})
+        return decision
+
+
+def _epoch(stamp: str | None) -> float | None:
+    if not stamp:
+        return None
+    return datetime.datetime.strptime(stamp, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=datetime.timezone.utc).timestamp()
+
+
+def _iso(epoch: float | None) -> str | None:
+    if epoch is None:
+        return None
+    return status.now_iso(datetime.datetime.fromtimestamp(epoch, datetime.timezone.utc))
