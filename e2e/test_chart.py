@@ -218,6 +218,18 @@ def test_helm_install_runs_the_operator_with_its_own_rbac(cluster):
                                         ("delete", "persistentvolumeclaims", "no")]:
             answer = kubectl("auth", "can-i", verb, resource, "-n", namespace, "--as", sa, check=False).stdout.strip()
             assert answer == allowed, (verb, resource, answer)
+
+        # Uninstalling removes the operator and the InferenceService together; nothing waits on a finalizer.
+        uninstall = subprocess.run([HELM, "uninstall", "pf", "--namespace", namespace, "--wait", "--timeout", "2m"],
+                                   capture_output=True, text=True, env=env, timeout=200)
+        assert uninstall.returncode == 0, uninstall.stdout + uninstall.stderr
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            left = kubectl("get", "infsvc,deployments,services", "-n", namespace, "-o", "name").stdout.split()
+            if not left:
+                break
+            time.sleep(1)
+        assert not left, left
     finally:
         subprocess.run([HELM, "uninstall", "pf", "--namespace", namespace, "--wait", "--timeout", "2m"],
                        capture_output=True, text=True, env=env, timeout=200)

@@ -278,6 +278,8 @@ def test_inference_service_becomes_ready_and_answers(cluster, namespace, operato
     obj = wait_ready(cluster, namespace, "smol", operator)
 
     st = obj["status"]
+    # No finalizer: deleting never waits for the operator (children go by garbage collection).
+    assert not obj["metadata"].get("finalizers")
     assert condition(obj, "ModelSourceAvailable")["status"] == "True"
     assert condition(obj, "Progressing")["status"] == "False"
     assert st["selector"] == "pagefleet.io/inference-service=smol"
@@ -532,3 +534,32 @@ def test_queue_depth_scales_up_to_max_and_back_to_min(cluster, namespace, operat
     assert "replicas 1 -> 2" in up["message"] and "queue depth" in up["message"]
     kubectl(cluster, "delete", "infsvc", "busy", "-n", namespace, "--wait=true", "--timeout=120s")
     wait_for("busy workers gone", lambda: not worker_processes(served), 120)
+
+
+# ---- the other way to run it ---------------------------------------------------------------------
+
+def test_kopf_run_module_entry_point(cluster, crd, tmp_path):
+    """`kopf run -m pagefleet.operator` registers the same handlers as `pagefleet operator`."""
+    ns = f"pf-kopf-{uuid.uuid4().hex[:6]}"
+    kubectl(cluster, "create", "namespace", ns)
+    log_path = tmp_path / "kopf.log"
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "kopf", "run", "-m", "pagefleet.operator", "--standalone", "--namespace", ns],
+            stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env={**cluster_env(cluster), "PAGEFLEET_STATUS_INTERVAL": "1"})
+    try:
+        body = {"apiVersion": "pagefleet.io/v1alpha1", "kind": "InferenceService", "metadata": {"name": "idle"},
+                "spec": {"model": {"name": "idle", "hostPath": {"path": "/nonexistent/idle"}}, "replicas": 0}}
+        assert apply(cluster, ns, body).returncode == 0
+        obj = wait_for("phase Stopped from kopf run", lambda: (lambda o: o if (o or {}).get("status", {}).get(
+            "phase") == "Stopped" else None)(get_json(cluster, "infsvc", "idle", "-n", ns)), 90,
+            on_timeout=lambda: log_path.read_text()[-3000:])
+        assert obj["status"]["observedGeneration"] == obj["metadata"]["generation"]
+        assert get_json(cluster, "deployment", "idle", "-n", ns)["spec"]["replicas"] == 0
+    finally:
+        process.send_signal(signal.SIGINT)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+        kubectl(cluster, "delete", "namespace", ns, "--wait=false", check=False)
