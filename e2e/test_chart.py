@@ -115,8 +115,11 @@ def test_gateway_with_generated_secret():
     (c,) = gw["spec"]["template"]["spec"]["containers"]
     assert c["command"] == ["pagefleet", "gateway"]
     assert "--kubernetes" in c["args"] and "--namespace=pf-system" in c["args"]
-    assert c["env"] == [{"name": "PAGEFLEET_MASTER_KEY", "valueFrom": {"secretKeyRef": {
-        "name": "rel-pagefleet-gateway", "key": "master-key"}}}]
+    assert "--host=$(POD_IP)" in c["args"]
+    assert c["env"] == [
+        {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        {"name": "PAGEFLEET_MASTER_KEY", "valueFrom": {"secretKeyRef": {"name": "rel-pagefleet-gateway",
+                                                                         "key": "master-key"}}}]
     role = next(r for r in by_kind(docs, "Role") if r["metadata"]["name"] == "rel-pagefleet-gateway")
     assert role["rules"][0] == {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
                                 "verbs": ["list", "watch"]}
@@ -128,7 +131,7 @@ def test_gateway_with_existing_secret_creates_none():
     docs = render("gateway.enabled=true", "gateway.existingSecret=my-keys", include_crds=False)
     assert by_kind(docs, "Secret") == []
     gw = next(d for d in by_kind(docs, "Deployment") if d["metadata"]["name"] == "rel-pagefleet-gateway")
-    ref = gw["spec"]["template"]["spec"]["containers"][0]["env"][0]["valueFrom"]["secretKeyRef"]
+    ref = gw["spec"]["template"]["spec"]["containers"][0]["env"][1]["valueFrom"]["secretKeyRef"]
     assert ref == {"name": "my-keys", "key": "master-key"}
 
 
@@ -230,6 +233,81 @@ def test_helm_install_runs_the_operator_with_its_own_rbac(cluster):
                 break
             time.sleep(1)
         assert not left, left
+    finally:
+        subprocess.run([HELM, "uninstall", "pf", "--namespace", namespace, "--wait", "--timeout", "2m"],
+                       capture_output=True, text=True, env=env, timeout=200)
+        subprocess.run(["kubectl", "delete", "namespace", namespace, "--wait=false"], capture_output=True, env=env)
+        values_file.unlink(missing_ok=True)
+
+
+@pytest.mark.e2e
+def test_helm_install_with_gateway_answers_openai_requests(cluster):
+    """The whole install path: chart → operator pod → worker pod → gateway pod, and an OpenAI client at the gateway."""
+    import json
+    import sys
+    import time
+    import uuid
+
+    from openai import AuthenticationError, OpenAI
+
+    code = "from pagefleet.worker.loader import bundled_model_path; print(bundled_model_path())"
+    found = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900)
+    assert found.returncode == 0, found.stderr
+    model_path = found.stdout.strip().splitlines()[-1]
+
+    namespace = f"pf-gw-{uuid.uuid4().hex[:6]}"
+    served = f"smol-{uuid.uuid4().hex[:4]}"
+    master_key = f"sk-e2e-{uuid.uuid4().hex}"
+    extra = cluster.env() if callable(cluster.env) else cluster.env
+    env = {**os.environ, **extra, "KUBECONFIG": str(cluster.kubeconfig)}
+
+    def kubectl(*args, check=True):
+        result = subprocess.run(["kubectl", *args], capture_output=True, text=True, env=env, timeout=120)
+        assert not check or result.returncode == 0, result.stderr
+        return result
+
+    def wait(what, check, timeout):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            got = check()
+            if got:
+                return got
+            time.sleep(2)
+        pods = kubectl("get", "pods", "-n", namespace, "-o", "wide", check=False).stdout
+        pytest.fail(f"timed out waiting for {what}\n{pods}")
+
+    values = {
+        "operator": {"watchNamespaces": [namespace], "statusIntervalSeconds": 1},
+        "gateway": {"enabled": True, "masterKey": master_key},
+        "inferenceServices": [{"name": "chat", "spec": {
+            "model": {"name": served, "hostPath": {"path": model_path}},
+            "resources": {"gpus": 0}, "engine": {"maxModelLen": 1024, "maxNumSeqs": 4}, "drainSeconds": 5}}],
+    }
+    values_file = Path(f"/tmp/{namespace}-values.yaml")
+    values_file.write_text(yaml.safe_dump(values))
+    try:
+        install = subprocess.run(
+            [HELM, "install", "pf", str(CHART), "--namespace", namespace, "--create-namespace", "-f", str(values_file),
+             "--wait", "--timeout", "6m"], capture_output=True, text=True, env=env, timeout=420)
+        assert install.returncode == 0, install.stdout + install.stderr
+
+        def ready():
+            got = kubectl("get", "infsvc", "chat", "-n", namespace, "-o", "json", check=False)
+            obj = json.loads(got.stdout) if got.returncode == 0 else {}
+            return obj if (obj.get("status") or {}).get("phase") == "Ready" else None
+
+        wait("InferenceService chat Ready", ready, 600)
+        gateway_ip = kubectl("get", "pods", "-n", namespace, "-l", "app.kubernetes.io/name=pagefleet-gateway",
+                             "-o", "jsonpath={.items[0].status.podIP}").stdout.strip()
+        client = OpenAI(base_url=f"http://{gateway_ip}:4000/v1", api_key=master_key, timeout=120, max_retries=0)
+        # The gateway learns the worker from the EndpointSlices of the operator's Service.
+        wait("the gateway to list the model", lambda: served in [m.id for m in client.models.list().data], 120)
+        answer = client.chat.completions.create(
+            model=served, messages=[{"role": "user", "content": "Say hello."}], max_tokens=12, temperature=0)
+        assert answer.choices[0].message.content.strip()
+        assert answer.usage.completion_tokens > 0
+        with pytest.raises(AuthenticationError):
+            OpenAI(base_url=f"http://{gateway_ip}:4000/v1", api_key="sk-wrong", max_retries=0).models.list()
     finally:
         subprocess.run([HELM, "uninstall", "pf", "--namespace", namespace, "--wait", "--timeout", "2m"],
                        capture_output=True, text=True, env=env, timeout=200)
