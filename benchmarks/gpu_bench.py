@@ -100,7 +100,8 @@ def ceilings():
 
 
 def engine(path, **kw):
-    args = dict(model=path, max_model_len=2048, max_num_seqs=256, max_num_batched_tokens=8192, gpu_memory_fraction=0.9)
+    # vLLM's offline defaults on this GPU class are max_num_seqs 1024 / 16384 batched tokens; 512 keeps graph capture short
+    args = dict(model=path, max_model_len=4224, max_num_seqs=512, max_num_batched_tokens=16384, gpu_memory_fraction=0.9)
     args.update(kw)
     return LLMEngine(EngineConfig(**args))
 

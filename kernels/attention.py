@@ -61,7 +61,7 @@ def _attend_tile(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr, kv
 # ---------------------------------------------------------------- decode
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["tokens_per_split", "num_splits"])  # one compile for every batch
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
                    qk_scale, tokens_per_split, num_splits,
                    stride_qb, stride_qh, stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh,
@@ -113,7 +113,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_p
                  out.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_reduce_kernel(part_acc_ptr, part_ml_ptr, out_ptr, num_splits, num_heads, stride_ob, stride_oh,
                           HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr):
     """Program (seq, head): merge the split partials with their max-logit rescale."""
@@ -216,7 +216,7 @@ def _find_seq(cu_seqlens_q_ptr, tile, num_seqs, BLOCK_Q: tl.constexpr):
     return lo - 1
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs"])  # no recompile when the batch size changes
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, cu_seqlens_q_ptr, out_ptr,
                     qk_scale, num_seqs,
                     stride_qt, stride_qh, stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import time
 
+import numpy as np
 import torch
 
 from pagefleet.worker import ops
@@ -69,52 +70,74 @@ class ModelRunner:
         self.kv = KVCache(model_config, num_blocks, self.block_size, self.dtype, self.device)
         self.kv.bind(self.model)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        if self.device.type == "cuda" and not config.enforce_eager:
-            self._capture_graphs()
+        if self.device.type == "cuda":
+            self._warmup_prefill()
+            if not config.enforce_eager:
+                self._capture_graphs()
 
     # ---- step
 
     def prepare(self, batch: ScheduledBatch):
+        """Host arrays for one step: [3, T] int64 (input ids, positions, slots), seq lens, query offsets,
+        block tables [n, width] int32, and the rows whose logits are sampled."""
         bs = self.block_size
-        input_ids, positions, slots = [], [], []
-        seq_lens, cu, logits_rows = [], [0], []
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            start = seq.num_computed_tokens
-            end = start + n
-            input_ids += seq.token_ids[start:end]
-            positions += range(start, end)
-            table = seq.block_table
-            slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
-            seq_lens.append(end)
-            cu.append(cu[-1] + n)
-            if end == seq.num_tokens:  # the prompt is done (or this is a decode): this row samples
-                logits_rows.append(cu[-1] - 1)
-        width = max(-(-length // bs) for length in seq_lens)
-        tables = [s.block_table[:width] + [0] * (width - min(len(s.block_table), width)) for s in batch.seqs]
-        return input_ids, positions, slots, seq_lens, cu, tables, logits_rows
+        seqs, counts = batch.seqs, batch.num_new_tokens
+        n = len(seqs)
+        if len(counts) == sum(counts):  # pure decode: the hot path, one token per sequence
+            ids, pos, slots, lens = [], [], [], []
+            for seq in seqs:
+                p = seq.num_computed_tokens
+                ids.append(seq.token_ids[p])
+                pos.append(p)
+                slots.append(seq.block_table[p // bs] * bs + p % bs)
+                lens.append(p + 1)
+            cu = np.arange(n + 1, dtype=np.int32)
+            logits_rows = list(range(n))
+        else:
+            ids, pos, slots, lens, logits_rows = [], [], [], [], []
+            cu = np.zeros(n + 1, dtype=np.int32)
+            for i, (seq, k) in enumerate(zip(seqs, counts)):
+                start, end = seq.num_computed_tokens, seq.num_computed_tokens + k
+                ids += seq.token_ids[start:end]
+                positions = np.arange(start, end)
+                pos.append(positions)
+                table = np.asarray(seq.block_table, dtype=np.int64)
+                slots.append(table[positions // bs] * bs + positions % bs)
+                lens.append(end)
+                cu[i + 1] = cu[i] + k
+                if end == seq.num_tokens:  # the prompt is done (or this is a decode): this row samples
+                    logits_rows.append(int(cu[i + 1]) - 1)
+            pos, slots = np.concatenate(pos), np.concatenate(slots)
+        width = max(len(seq.block_table) for seq in seqs)
+        tables = np.zeros((n, width), dtype=np.int32)
+        for i, seq in enumerate(seqs):
+            tables[i, : len(seq.block_table)] = seq.block_table
+        tokens = np.array([ids, pos, slots], dtype=np.int64)
+        return tokens, np.asarray(lens, dtype=np.int32), cu, tables, logits_rows
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> torch.Tensor | None:
         """Forward the scheduled tokens; returns logits [rows, vocab] for the sequences that sample (None if none do)."""
         if batch.copies:
             self.kv.copy_blocks(batch.copies)
-        input_ids, positions, slots, seq_lens, cu, tables, logits_rows = self.prepare(batch)
+        tokens, seq_lens, cu, tables, logits_rows = self.prepare(batch)
         n = len(batch.seqs)
-        is_decode = len(input_ids) == n
+        is_decode = tokens.shape[1] == n
         if is_decode and self.graphs and n <= self.max_graph_batch:
-            hidden = self._replay(input_ids, positions, slots, seq_lens, tables)
+            hidden = self._replay(tokens, seq_lens, tables)
         else:
             dev = self.device
+            tokens_d = torch.from_numpy(tokens).to(dev, non_blocking=True)
             meta = AttentionMetadata(
-                slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-                block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
-                seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-                cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
-                max_seq_len=max(seq_lens),
+                slot_mapping=tokens_d[2],
+                block_tables=torch.from_numpy(tables).to(dev, non_blocking=True),
+                seq_lens=torch.from_numpy(seq_lens).to(dev, non_blocking=True),
+                cu_seqlens_q=torch.from_numpy(cu).to(dev, non_blocking=True),
+                max_seq_len=int(seq_lens.max()),
                 is_decode=is_decode,
             )
             set_attention_metadata(meta)
-            hidden = self.model(torch.tensor(input_ids, dtype=torch.long, device=dev), torch.tensor(positions, dtype=torch.long, device=dev))
+            hidden = self.model(tokens_d[0], tokens_d[1])
             set_attention_metadata(None)
         if not logits_rows:  # only unfinished prompt chunks this step: nothing samples
             return None
@@ -123,6 +146,23 @@ class ModelRunner:
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]):
         return self.sampler.sample(logits, seqs)
+
+    @torch.inference_mode()
+    def _warmup_prefill(self) -> None:
+        """Compile the prefill-path kernels now, not in the first request's time to first token."""
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.full((16,), -1, dtype=torch.long, device=dev),  # writes nothing
+            block_tables=torch.zeros(2, 1, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor([8, 8], dtype=torch.int32, device=dev),
+            cu_seqlens_q=torch.tensor([0, 8, 16], dtype=torch.int32, device=dev),
+            max_seq_len=8,
+            is_decode=False,
+        )
+        set_attention_metadata(meta)
+        self.model(torch.zeros(16, dtype=torch.long, device=dev), torch.arange(16, device=dev) % 8)
+        set_attention_metadata(None)
+        torch.cuda.synchronize()
 
     # ---- CUDA graphs for decode
 
@@ -139,10 +179,13 @@ class ModelRunner:
         sizes = self._graph_batch_sizes()
         self.max_graph_batch = sizes[-1]
         m, dev = self.max_graph_batch, self.device
+        tokens = torch.zeros(3, m, dtype=torch.long, device=dev)  # input ids, positions, slots: one copy per step
+        tokens[2].fill_(-1)
         self.static = {
-            "input_ids": torch.zeros(m, dtype=torch.long, device=dev),
-            "positions": torch.zeros(m, dtype=torch.long, device=dev),
-            "slot_mapping": torch.full((m,), -1, dtype=torch.long, device=dev),
+            "tokens": tokens,
+            "input_ids": tokens[0],
+            "positions": tokens[1],
+            "slot_mapping": tokens[2],
             "seq_lens": torch.ones(m, dtype=torch.int32, device=dev),
             "block_tables": torch.zeros(m, self.max_blocks_per_seq, dtype=torch.int32, device=dev),
             "cu_seqlens_q": torch.arange(m + 1, dtype=torch.int32, device=dev),
@@ -165,18 +208,14 @@ class ModelRunner:
         self.capture_seconds = time.time() - start
         print(f"pagefleet: captured {len(sizes)} decode CUDA graphs (batch 1..{m}) in {self.capture_seconds:.1f}s", flush=True)
 
-    def _replay(self, input_ids, positions, slots, seq_lens, tables) -> torch.Tensor:
-        n = len(input_ids)
+    def _replay(self, tokens, seq_lens, tables) -> torch.Tensor:
+        n = tokens.shape[1]
         bs = next(b for b in self.graph_sizes if b >= n)
         s = self.static
-        # One pinned host buffer -> device copy per tensor; padding rows write nowhere (slot -1).
-        s["input_ids"][:n].copy_(torch.tensor(input_ids), non_blocking=True)
-        s["positions"][:n].copy_(torch.tensor(positions), non_blocking=True)
-        s["slot_mapping"][:n].copy_(torch.tensor(slots), non_blocking=True)
-        s["slot_mapping"][n:bs].fill_(-1)
-        s["seq_lens"][:n].copy_(torch.tensor(seq_lens, dtype=torch.int32), non_blocking=True)
+        s["tokens"][:, :n].copy_(torch.from_numpy(tokens), non_blocking=True)
+        s["slot_mapping"][n:bs].fill_(-1)  # padding rows write nowhere
+        s["seq_lens"][:n].copy_(torch.from_numpy(seq_lens), non_blocking=True)
         s["seq_lens"][n:bs].fill_(1)
-        width = len(tables[0])
-        s["block_tables"][:n, :width].copy_(torch.tensor(tables, dtype=torch.int32), non_blocking=True)
+        s["block_tables"][:n, : tables.shape[1]].copy_(torch.from_numpy(tables), non_blocking=True)
         self.graphs[bs].replay()
         return self.graph_out[bs][:n]
