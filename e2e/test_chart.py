@@ -11,6 +11,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import httpx
 import pytest
 import yaml
 
@@ -214,6 +215,11 @@ def test_helm_install_runs_the_operator_with_its_own_rbac(cluster):
         dep = json.loads(kubectl("get", "deployment", "example", "-n", namespace, "-o", "json").stdout)
         assert dep["spec"]["replicas"] == 0
         assert dep["metadata"]["ownerReferences"][0]["uid"] == obj["metadata"]["uid"]
+        # kopf's liveness endpoint answers on the pod IP, and the kubelet's probe has never restarted it.
+        operator_pod = json.loads(kubectl("get", "pods", "-n", namespace, "-l", "app.kubernetes.io/name=pagefleet-operator",
+                                          "-o", "json").stdout)["items"][0]
+        assert all(cs["restartCount"] == 0 for cs in operator_pod["status"]["containerStatuses"])
+        assert httpx.get(f"http://{operator_pod['status']['podIP']}:18080/healthz", timeout=10).status_code == 200
         # The ServiceAccount may do what the operator needs, and no more.
         sa = f"system:serviceaccount:{namespace}:pf-pagefleet-operator"
         for verb, resource, allowed in [("patch", "deployments.apps", "yes"), ("delete", "deployments.apps", "no"),

@@ -74,7 +74,15 @@ def reconcile(body: kopf.Body, patch: kopf.Patch, logger: logging.Logger, **_: A
     client = kube.shared()
     manifests = resources.children(body)
     for manifest in manifests:
-        client.apply(manifest)
+        try:
+            client.apply(manifest)
+        except kube.ApiError as err:
+            what = f"applying {manifest['kind']}/{manifest['metadata']['name']}: {err}"
+            if err.status in (400, 422):
+                # The API server refuses the rendered object: retrying the same spec cannot help.
+                raise kopf.PermanentError(what) from err
+            # Conflicts, throttling, RBAC being fixed, the API server restarting: try again later.
+            raise kopf.TemporaryError(what, delay=15) from err
     logger.info("applied %s for generation %s",
                 ", ".join(f"{m['kind']}/{m['metadata']['name']}" for m in manifests), body.metadata.get("generation"))
     patch.status["observedGeneration"] = body.metadata.get("generation")
