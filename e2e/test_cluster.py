@@ -6,6 +6,7 @@ real cluster (PAGEFLEET_E2E_KUBECONFIG); checks that look at local processes nee
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -266,3 +267,41 @@ def test_gpu_pod_gets_downward_api_env_and_its_service_account(cluster, namespac
     assert f"user=system:serviceaccount:{namespace}:default" in out
     state = pod["status"]["containerStatuses"][0]["state"]["terminated"]
     assert state["exitCode"] == 0 and state["reason"] == "Completed"
+
+
+def test_cli_up_then_down_leaves_no_process_behind(cluster, tmp_path):
+    """A second cluster beside the session's, driven through cluster.sh exactly as by hand."""
+    if not cluster.local:
+        pytest.skip("starts a local cluster")
+    state = tmp_path / "cluster"
+    script = str(E2E_DIR / "cluster.sh")
+    env = dict(os.environ, PYTHON=sys.executable)
+    env.pop("KUBECONFIG", None)
+    up = subprocess.run([script, "up", "--state-dir", str(state)], capture_output=True, text=True,
+                        timeout=300, env=env)
+    try:
+        assert up.returncode == 0, up.stderr
+        took = float(up.stderr.split("cluster up in ")[1].split("s")[0])
+        print(f"\n[e2e] cluster.sh up (cached binaries) took {took:.1f}s")
+        assert took < 60
+        kube_env = dict(env, KUBECONFIG=str(state / "kubeconfig"))
+
+        def kubectl(*args):
+            return subprocess.run(["kubectl", *args], capture_output=True, text=True, env=kube_env,
+                                  check=True).stdout
+        kubectl("run", "sleeper", "--image=busybox", "--command", "--", "sleep", "300")
+        pod_id = cluster.wait_for("pod sleeper to run", lambda: kubectl(
+            "get", "pod", "sleeper", "-o", "jsonpath={.status.containerStatuses[0].containerID}"))
+        session_ips = {p["status"].get("podIP") for p in cluster.kubectl_json("get", "pods", "-A")["items"]}
+        assert kubectl("get", "pod", "sleeper", "-o", "jsonpath={.status.podIP}") not in session_ips
+    finally:
+        record = (state / "cluster.json").read_text() if (state / "cluster.json").exists() else "{}"
+        down = subprocess.run([script, "down", "--state-dir", str(state)], capture_output=True, text=True,
+                              timeout=120, env=env)
+    assert down.returncode == 0, down.stderr
+    pids = [p["pid"] for p in json.loads(record)["processes"]]
+    assert len(pids) == 5  # etcd, apiserver, controller-manager, scheduler, node agent
+    pids.append(int(pod_id.removeprefix("pagefleet://")))
+    still = [pid for pid in pids if process_exists(pid)]
+    assert not still, f"processes left behind by down: {still}"
+    assert subprocess.run([script, "status", "--state-dir", str(state)], env=env).returncode == 1
