@@ -305,3 +305,46 @@ def test_cli_up_then_down_leaves_no_process_behind(cluster, tmp_path):
     still = [pid for pid in pids if process_exists(pid)]
     assert not still, f"processes left behind by down: {still}"
     assert subprocess.run([script, "status", "--state-dir", str(state)], env=env).returncode == 1
+
+
+LIVENESS_POD = """
+apiVersion: v1
+kind: Pod
+metadata:
+  name: liveness
+spec:
+  terminationGracePeriodSeconds: 5
+  containers:
+  - name: http
+    image: python:3.12-slim
+    command: ["python3", "-m", "http.server", "8000", "--bind", "$(POD_IP)"]
+    env:
+    - name: POD_IP
+      valueFrom: {fieldRef: {fieldPath: status.podIP}}
+    ports:
+    - {name: http, containerPort: 8000}
+    startupProbe:
+      tcpSocket: {port: http}
+      periodSeconds: 1
+      failureThreshold: 30
+    livenessProbe:
+      httpGet: {path: /alive.txt, port: 8000}
+      periodSeconds: 1
+      failureThreshold: 2
+"""
+
+
+def test_failing_liveness_probe_restarts_the_container(cluster, namespace):
+    """/alive.txt does not exist in the pod's working directory: after the startup probe passes,
+    two failed liveness checks make the agent SIGTERM the process and start it again."""
+    cluster.apply(LIVENESS_POD, namespace)
+
+    def restarted_twice():
+        pod = cluster.kubectl_json("get", "pod", "-n", namespace, "liveness")
+        statuses = pod["status"].get("containerStatuses") or [{}]
+        return pod if statuses[0].get("restartCount", 0) >= 2 else None
+    pod = cluster.wait_for("two liveness restarts", restarted_twice, timeout=90)
+    status = pod["status"]["containerStatuses"][0]
+    assert pod["status"]["phase"] == "Running"
+    if cluster.local:  # python3 -m http.server exits on SIGTERM: 128 + 15
+        assert status["lastState"]["terminated"]["exitCode"] == 128 + signal.SIGTERM
