@@ -348,3 +348,31 @@ def test_failing_liveness_probe_restarts_the_container(cluster, namespace):
     assert pod["status"]["phase"] == "Running"
     if cluster.local:  # python3 -m http.server exits on SIGTERM: 128 + 15
         assert status["lastState"]["terminated"]["exitCode"] == 128 + signal.SIGTERM
+
+
+STUBBORN_POD = """
+apiVersion: v1
+kind: Pod
+metadata:
+  name: stubborn
+spec:
+  terminationGracePeriodSeconds: 3
+  containers:
+  - name: main
+    image: busybox
+    command: ["sh", "-c", "trap '' TERM; while true; do sleep 0.2; done"]
+"""
+
+
+def test_deletion_escalates_to_sigkill_after_the_grace_period(cluster, namespace):
+    cluster.apply(STUBBORN_POD, namespace)
+    pod = cluster.wait_for("pod stubborn to run", lambda: (lambda p: p if p["status"].get("phase") == "Running"
+                           else None)(cluster.kubectl_json("get", "pod", "-n", namespace, "stubborn")))
+    pid = pid_of(pod) if cluster.local else None
+    started = time.monotonic()
+    cluster.kubectl("delete", "pod", "stubborn", "-n", namespace, "--wait=true", timeout=60)
+    took = time.monotonic() - started
+    # The shell ignores SIGTERM, so only the SIGKILL after the 3 s grace period ends it.
+    assert 3 <= took < 20, f"deletion took {took:.1f}s"
+    if pid is not None:
+        assert not process_exists(pid)
