@@ -255,6 +255,7 @@ async def _generate(state: ServerState, request: Request, chat: bool, model: str
     async def events():
         seen: dict[int, list[int]] = {}  # choice index -> [text length sent, logprobs sent]
         finished: set[int] = set()
+        pending: list[str] = []  # events not yet written: several steps' worth go out in one write
         try:
             if chat:  # the role first, as OpenAI does; it also sends the headers before the first token
                 for index in range(len(prompts) * n):
@@ -278,20 +279,23 @@ async def _generate(state: ServerState, request: Request, chat: bool, model: str
                         c["delta"] = {"content": text} if text else {}
                     else:
                         c["text"] = text
-                    yield _sse({**chunk_head, "choices": [c], **extra})
+                    pending.append(_sse({**chunk_head, "choices": [c], **extra}))
+                if pending and gen.queue.empty():  # caught up with the engine: write what we have
+                    yield "".join(pending)
+                    pending.clear()
             if include_usage:
-                yield _sse({**chunk_head, "choices": [], "usage": usage(prompt_tokens, completion_tokens())})
+                pending.append(_sse({**chunk_head, "choices": [], "usage": usage(prompt_tokens, completion_tokens())}))
         except APIError as e:
-            yield _sse(e.body())
+            pending.append(_sse(e.body()))
         except ValueError as e:
-            yield _sse(error_body(str(e)))
+            pending.append(_sse(error_body(str(e))))
         except Exception as e:  # the status line is sent already: report in-band, as vLLM does
             log.exception("stream %s failed", request_id)
-            yield _sse(error_body(f"internal error: {e}", type="internal_error"))
+            pending.append(_sse(error_body(f"internal error: {e}", type="internal_error")))
         finally:
             watcher.cancel()
             gen.close()
-        yield "data: [DONE]\n\n"
+        yield "".join(pending) + "data: [DONE]\n\n"
 
     return StreamingResponse(events(), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -474,7 +478,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--seed", type=int, default=0)
     a("--api-key", default=os.environ.get("PAGEFLEET_API_KEY"),
       help="require Authorization: Bearer <key> on the API (default: $PAGEFLEET_API_KEY)")
-    a("--max-queue", type=int, default=1024, help="waiting requests before new ones get 429")
+    a("--max-queue", type=int, default=1024,
+      help="requests accepted but without a first token yet (queued or in prefill) before new ones get 429")
     a("--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get after SIGTERM")
     a("--disable-access-log", action="store_true")
     a("--log-level", default="info")
