@@ -185,6 +185,24 @@ def test_n_choices_seed_and_usage(server):
     assert usage.completion_tokens == 15
 
 
+def test_sampling_knobs_and_prompt_lists(server, tokenizer):
+    """Every sampling field the issue names is accepted; several token-id prompts in one completions request
+    come back as choices prompt-major, n per prompt."""
+    client = server.client()
+    r = client.completions.create(
+        model="smol", prompt=[tokenizer.encode("Apples are"), tokenizer.encode("Bananas are")], n=2, max_tokens=5, temperature=0.7,
+        top_p=0.9, presence_penalty=0.5, frequency_penalty=0.3, seed=3,
+        extra_body={"top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1, "ignore_eos": True, "min_tokens": 2})
+    assert [c.index for c in sorted(r.choices, key=lambda c: c.index)] == [0, 1, 2, 3]
+    assert r.usage.prompt_tokens == len(tokenizer.encode("Apples are")) + len(tokenizer.encode("Bananas are"))
+    assert r.usage.completion_tokens == 4 * 5 and all(c.finish_reason == "length" for c in r.choices)
+    # top_k=1 is greedy whatever the temperature
+    greedy_text = client.completions.create(model="smol", prompt="Apples are", max_tokens=6, temperature=0).choices[0].text
+    top1 = client.completions.create(model="smol", prompt="Apples are", max_tokens=6, temperature=1.5,
+                                     extra_body={"top_k": 1}).choices[0].text
+    assert top1 == greedy_text
+
+
 def test_stop_across_token_boundary(server, llm, tokenizer):
     prompt = "The capital of France is"
     ref = llm.generate([prompt], greedy(32, ignore_eos=True))[0].outputs[0]

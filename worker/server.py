@@ -12,6 +12,7 @@ import hmac
 import json
 import logging
 import os
+import re
 import signal
 import time
 import uuid
@@ -31,6 +32,7 @@ log = logging.getLogger("pagefleet.server")
 PROBE_PATHS = ("/health", "/ready", "/load", "/metrics")
 OPEN_PATHS = PROBE_PATHS + ("/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc")
 _CLOSED = object()
+_TYPE_TAG = re.compile(r"^(str|int|float|bool|none|[a-z-]+\[.*\])$")
 
 
 class ServerState:
@@ -345,7 +347,8 @@ def build_app(engine, served_model_name: str | list[str] | None = None, api_key:
     async def on_validation_error(request: Request, e: RequestValidationError):
         errors = e.errors()
         first = errors[0] if errors else {}
-        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        # drop "body" and the union-member tags pydantic puts in loc ("str", "list[int]", ...)
+        loc = [str(x) for x in first.get("loc", ()) if x != "body" and not _TYPE_TAG.match(str(x))]
         param = loc[0] if loc else None
         where = ".".join(loc)
         message = f"{where}: {first.get('msg', 'invalid request')}" if where else first.get("msg", "invalid request")
