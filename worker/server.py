@@ -440,8 +440,8 @@ def build_app(engine, served_model_name: str | list[str] | None = None, api_key:
         return JSONResponse({"ready": ok, "draining": state.draining}, status_code=200 if ok else 503)
 
     @app.get("/load")
-    async def load():
-        return engine.load()
+    async def load():  # polled many times a second: skip FastAPI's response encoding
+        return JSONResponse(engine.load())
 
     @app.get("/metrics")
     async def metrics():
@@ -479,7 +479,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--quantization", default=None)
     a("--kv-cache-memory-bytes", type=int, default=None, help="KV cache budget on CPU")
     a("--seed", type=int, default=0)
-    a("--api-key", default=os.environ.get("PAGEFLEET_API_KEY"),
+    a("--api-key", default=None,
       help="require Authorization: Bearer <key> on the API (default: $PAGEFLEET_API_KEY)")
     a("--max-queue", type=int, default=1024,
       help="requests accepted but without a first token yet (queued or in prefill) before new ones get 429")
@@ -554,7 +554,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"pagefleet serve: {e}")
         return 2
     try:
-        app = build_app(engine, args.served_model_name, args.api_key, args.max_queue)
+        api_key = args.api_key or os.environ.get("PAGEFLEET_API_KEY")  # resolved here: never shown in --help
+        app = build_app(engine, args.served_model_name, api_key, args.max_queue)
         uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                    access_log=not args.disable_access_log, timeout_graceful_shutdown=5)
         asyncio.run(_DrainingServer(uv_config, app.state.server, args.drain_timeout).serve())
