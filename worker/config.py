@@ -21,6 +21,7 @@ class EngineConfig:
     num_gpu_blocks_override: int | None = None  # force the number of KV blocks (tests, benchmarks)
     quantization: str | None = None  # None or "fp8" (Hopper)
     seed: int = 0
+    async_scheduling: bool = True  # overlap decode steps: launch step N+1 before reading step N's tokens
     cpu_threads: int | None = None  # torch threads on CPU; default half the cores (the server and tokenizer need the rest)
 
     def validate(self) -> "EngineConfig":

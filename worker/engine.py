@@ -6,6 +6,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from pagefleet.worker.block_manager import BlockManager
 from pagefleet.worker.config import EngineConfig
 from pagefleet.worker.detokenizer import find_stop, update_text, visible_text
@@ -38,6 +40,16 @@ class EngineStats:
     prefix_cache_hits_total: int
     steps_total: int
     recent_steps: list[StepRecord] = field(default_factory=list)
+
+
+PLACEHOLDER = -1  # an output token still on the device (overlapped decode)
+
+
+@dataclass
+class PendingStep:
+    seqs: list[Sequence]
+    tokens: object  # model_runner.PendingTokens
+    seq_ids: set[int] = field(default_factory=set)
 
 
 @dataclass
@@ -74,6 +86,7 @@ class LLMEngine:
         self.generation_tokens_total = 0
         self.steps_total = 0
         self.recent_steps: deque[StepRecord] = deque(maxlen=512)
+        self.pending: PendingStep | None = None  # an overlapped decode step not yet read back
 
     # ---- requests
 
@@ -117,10 +130,18 @@ class LLMEngine:
     # ---- the step
 
     def step(self) -> list[RequestOutput]:
+        """One forward step. Pure decode steps overlap: step N+1 is launched before step N's tokens are
+        read back, so the host's scheduling and bookkeeping hide behind the GPU (outputs lag one step)."""
         start = time.perf_counter()
+        outputs: list[RequestOutput] = []
+        if self.pending is not None and not self._can_overlap(self.scheduler.running, all_running=True):
+            outputs += self._resolve_pending()
         batch = self.scheduler.schedule()
         if not batch.seqs:
-            return []
+            return outputs + self._resolve_pending()
+        if self.config.async_scheduling and self._can_overlap(batch.seqs, all_running=False):
+            return outputs + self._launch_overlapped(batch, start)
+        assert self.pending is None
         logits = self.runner.run(batch)
         sampling: list[Sequence] = []
         rows: list[int] = []  # logits row of each sampling sequence (n samples share their prompt's row)
@@ -149,6 +170,68 @@ class LLMEngine:
                 self._append_token(seq, token, lp)
         self.steps_total += 1
         self.recent_steps.append(StepRecord(len(batch.seqs), num_prefill, num_decode, time.perf_counter() - start))
+        return outputs + self._outputs(touched)
+
+    # ---- overlapped decode
+
+    def _can_overlap(self, seqs: list[Sequence], all_running: bool) -> bool:
+        """True when the step over `seqs` is a pure decode whose tokens nobody needs before the next step:
+        no queue to admit, room for every next token, no sequence that must stop by length, and nothing
+        that reads the new tokens on the host (penalties, logprobs)."""
+        if all_running and self.scheduler.waiting:
+            return False
+        if not seqs or len(seqs) > self.config.max_num_batched_tokens or len(seqs) > getattr(self.runner, "max_graph_batch", len(seqs)):
+            return False
+        need = 0
+        for seq in seqs:
+            p = seq.params
+            if seq.num_tokens - seq.num_computed_tokens != 1 or seq.pending_forks or p.logprobs is not None:
+                return False
+            if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
+                return False
+            if (p.max_tokens is not None and seq.num_output_tokens + 1 >= p.max_tokens) or seq.num_tokens + 1 >= self.max_model_len:
+                return False
+            need += self.block_manager.blocks_needed(seq, 1)
+        return need <= self.block_manager.num_free_blocks
+
+    def _launch_overlapped(self, batch, start: float) -> list[RequestOutput]:
+        prev = self.pending
+        feed = None
+        if prev is not None:
+            row_of = {seq.seq_id: i for i, seq in enumerate(prev.seqs)}
+            rows = np.array([row_of.get(s.seq_id, -1) if s.token_ids[-1] == PLACEHOLDER else -1 for s in batch.seqs], dtype=np.int64)
+            feed = (rows, prev.tokens.device)
+        logits = self.runner.run(batch, feed)
+        tokens = self.runner.sample_async(logits, batch.seqs)
+        for seq in batch.seqs:
+            seq.num_computed_tokens += 1
+            seq.token_ids.append(PLACEHOLDER)  # the real id arrives when this step is resolved
+        self.pending = PendingStep(list(batch.seqs), tokens, {s.seq_id for s in batch.seqs})
+        self.steps_total += 1
+        self.recent_steps.append(StepRecord(len(batch.seqs), 0, len(batch.seqs), time.perf_counter() - start))
+        return self._resolve(prev) if prev is not None else []
+
+    def _resolve_pending(self) -> list[RequestOutput]:
+        prev, self.pending = self.pending, None
+        return self._resolve(prev) if prev is not None else []
+
+    def _resolve(self, step: "PendingStep") -> list[RequestOutput]:
+        """Read a launched step's tokens back and do what a synchronous step does after sampling."""
+        touched: dict[str, Request] = {}
+        relaunched = self.pending.seq_ids if self.pending is not None else set()
+        for seq, token in zip(step.seqs, step.tokens.read()):
+            if seq.is_finished:  # finished (or aborted) while this step ran: its token is dropped
+                continue
+            again = seq.seq_id in relaunched  # a later step is already running over this token
+            at = seq.num_tokens - (2 if again else 1)
+            assert seq.token_ids[at] == PLACEHOLDER
+            del seq.token_ids[at:]
+            self._append_token(seq, token, None)  # stop checks and text see only real tokens
+            if again and not seq.is_finished:
+                seq.token_ids.append(PLACEHOLDER)
+            if not seq.is_finished:
+                self.block_manager.commit_full_blocks(seq)
+            touched[seq.request_id] = self.requests[seq.request_id]
         return self._outputs(touched)
 
     def _fork_samples(self, parent: Sequence, sampling: list[Sequence], rows: list[int], row: int) -> None:
@@ -205,8 +288,11 @@ class LLMEngine:
         completions = []
         for seq in request.seqs:
             text = visible_text(seq) if seq.params.detokenize else ""
+            ids = seq.output_token_ids
+            if ids and ids[-1] == PLACEHOLDER:  # still on the device: reported with the next step
+                ids = ids[:-1]
             completions.append(
-                CompletionOutput(seq.index, text, seq.output_token_ids, seq.finish_reason, list(seq.logprobs) if seq.logprobs is not None else None, seq.stop_reason)
+                CompletionOutput(seq.index, text, ids, seq.finish_reason, list(seq.logprobs) if seq.logprobs is not None else None, seq.stop_reason)
             )
         return RequestOutput(request.request_id, request.prompt_token_ids, completions, finished, request.seqs[0].num_cached_tokens)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -40,6 +41,20 @@ def resolve_dtype(name: str, model_dtype: str, device: torch.device) -> torch.dt
     if device.type == "cpu":
         return torch.float32  # fastest and exact on CPU
     return _DTYPES.get(model_dtype, torch.bfloat16) if model_dtype != "float32" else torch.bfloat16
+
+
+@dataclass
+class PendingTokens:
+    """One step's sampled tokens: on the device now, on the host once `event` has fired."""
+
+    device: torch.Tensor
+    host: torch.Tensor
+    event: object | None
+
+    def read(self) -> list[int]:
+        if self.event is not None:
+            self.event.synchronize()  # waits for this step only, not for the one launched after it
+        return self.host.tolist()
 
 
 class ModelRunner:
@@ -116,15 +131,19 @@ class ModelRunner:
         return tokens, np.asarray(lens, dtype=np.int32), cu, tables, logits_rows
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> torch.Tensor | None:
-        """Forward the scheduled tokens; returns logits [rows, vocab] for the sequences that sample (None if none do)."""
+    def run(self, batch: ScheduledBatch, feed: tuple[np.ndarray, torch.Tensor] | None = None) -> torch.Tensor | None:
+        """Forward the scheduled tokens; returns logits [rows, vocab] for the sequences that sample (None if none do).
+
+        feed = (rows, tokens): sequences whose last token is still on the device (an overlapped step)
+        take input id tokens[rows[i]] where rows[i] >= 0.
+        """
         if batch.copies:
             self.kv.copy_blocks(batch.copies)
         tokens, seq_lens, cu, tables, logits_rows = self.prepare(batch)
         n = len(batch.seqs)
         is_decode = tokens.shape[1] == n
         if is_decode and self.graphs and n <= self.max_graph_batch:
-            hidden = self._replay(tokens, seq_lens, tables)
+            hidden = self._replay(tokens, seq_lens, tables, feed)
         else:
             dev = self.device
             tokens_d = torch.from_numpy(tokens).to(dev, non_blocking=True)
@@ -137,6 +156,8 @@ class ModelRunner:
                 is_decode=is_decode,
             )
             set_attention_metadata(meta)
+            if feed is not None:
+                self._feed_device_tokens(tokens_d[0], feed)
             hidden = self.model(tokens_d[0], tokens_d[1])
             set_attention_metadata(None)
         if not logits_rows:  # only unfinished prompt chunks this step: nothing samples
@@ -146,6 +167,23 @@ class ModelRunner:
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]):
         return self.sampler.sample(logits, seqs)
+
+    def _feed_device_tokens(self, input_ids: torch.Tensor, feed) -> None:
+        rows, prev = feed
+        rows_d = torch.from_numpy(rows).to(self.device, non_blocking=True)
+        input_ids.copy_(torch.where(rows_d >= 0, prev[rows_d.clamp(min=0)], input_ids))
+
+    def sample_async(self, logits: torch.Tensor, seqs: list[Sequence]) -> "PendingTokens":
+        """Sample without waiting: the tokens stay on the device for the next step and are copied to
+        pinned host memory behind an event, so the host can prepare the next step meanwhile."""
+        tokens = self.sampler.sample_on_device(logits, seqs)
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=self.device.type == "cuda")
+        host.copy_(tokens, non_blocking=True)
+        event = None
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+        return PendingTokens(tokens, host, event)
 
     @torch.inference_mode()
     def _warmup_prefill(self) -> None:
@@ -208,7 +246,7 @@ class ModelRunner:
         self.capture_seconds = time.time() - start
         print(f"pagefleet: captured {len(sizes)} decode CUDA graphs (batch 1..{m}) in {self.capture_seconds:.1f}s", flush=True)
 
-    def _replay(self, tokens, seq_lens, tables) -> torch.Tensor:
+    def _replay(self, tokens, seq_lens, tables, feed=None) -> torch.Tensor:
         n = tokens.shape[1]
         bs = next(b for b in self.graph_sizes if b >= n)
         s = self.static
@@ -217,5 +255,7 @@ class ModelRunner:
         s["seq_lens"][:n].copy_(torch.from_numpy(seq_lens), non_blocking=True)
         s["seq_lens"][n:bs].fill_(1)
         s["block_tables"][:n, : tables.shape[1]].copy_(torch.from_numpy(tables), non_blocking=True)
+        if feed is not None:
+            self._feed_device_tokens(s["input_ids"][:n], feed)
         self.graphs[bs].replay()
         return self.graph_out[bs][:n]

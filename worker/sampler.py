@@ -32,16 +32,26 @@ class Sampler:
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[TokenLogprobs | None]]:
         """logits [R, V], one row per sequence in `seqs` -> (token per row, logprobs per row)."""
-        logits = logits.float()
         want_logprobs = [s.params.logprobs is not None for s in seqs]
-        raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
-        logits = self._apply_penalties(logits, seqs)
+        raw_logprobs = torch.log_softmax(logits.float(), dim=-1) if any(want_logprobs) else None
+        tokens = self.sample_on_device(logits, seqs)
+        return tokens.tolist(), self._logprobs(raw_logprobs, tokens, seqs, want_logprobs)
+
+    @torch.inference_mode()
+    def sample_on_device(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """The chosen token of every row, left on the device (no host sync here)."""
+        if any(self._needs_processing(s) for s in seqs):
+            logits = self._apply_penalties(logits.float(), seqs)
         greedy = [s.params.greedy for s in seqs]
-        tokens = logits.argmax(dim=-1)
-        if not all(greedy):  # decided on the host: no device sync before the one transfer below
-            tokens = torch.where(torch.tensor(greedy, device=logits.device), tokens, self._sample_random(logits, seqs))
-        tokens_list = tokens.tolist()
-        return tokens_list, self._logprobs(raw_logprobs, tokens, seqs, want_logprobs)
+        tokens = logits.argmax(dim=-1)  # argmax is exact in the model dtype
+        if not all(greedy):  # decided on the host: no device sync
+            tokens = torch.where(torch.tensor(greedy, device=logits.device), tokens, self._sample_random(logits.float(), seqs))
+        return tokens
+
+    @staticmethod
+    def _needs_processing(seq: Sequence) -> bool:
+        p = seq.params
+        return p.repetition_penalty != 1.0 or bool(p.presence_penalty or p.frequency_penalty) or seq.num_output_tokens < p.min_tokens
 
     def _apply_penalties(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         for row, seq in enumerate(seqs):

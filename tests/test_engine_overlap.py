@@ -1,0 +1,60 @@
+"""Overlapped decode (step N+1 launched before step N's tokens are read) changes nothing a client sees."""
+
+from pagefleet.worker import LLM, SamplingParams
+from pagefleet.worker.engine import PLACEHOLDER
+
+
+def run(path, async_scheduling, prompts, params, partial=False):
+    llm = LLM(str(path), max_model_len=256, num_gpu_blocks_override=120, async_scheduling=async_scheduling)
+    engine = llm.engine
+    launched = []
+    original = engine._launch_overlapped
+    engine._launch_overlapped = lambda *a: launched.append(1) or original(*a)
+    engine.emit_partial = partial
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        engine.add_request(str(i), p, sp)
+    finals, seen = {}, []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            seen.append(out)
+            if out.finished:
+                finals[out.request_id] = out
+    assert engine.block_manager.num_free_blocks == 120 and engine.pending is None
+    return [finals[str(i)] for i in range(len(prompts))], seen, len(launched)
+
+
+def test_overlapped_decode_gives_the_same_outputs(tiny_models):
+    prompts = [list(range(100 + i, 130 + 5 * i)) for i in range(8)]
+    params = [
+        SamplingParams(temperature=0.0 if i % 2 else 0.8, seed=i, max_tokens=12 + 3 * i, stop_token_ids=[1234] if i == 3 else [], n=2 if i == 5 else 1)
+        for i in range(8)
+    ]
+    sync, _, none = run(tiny_models["llama"], False, prompts, params)
+    overlapped, seen, launched = run(tiny_models["llama"], True, prompts, params, partial=True)
+    assert none == 0 and launched > 10, "the overlapped path was not taken"
+    for a, b in zip(sync, overlapped):
+        assert [o.token_ids for o in a.outputs] == [o.token_ids for o in b.outputs]
+        assert [o.finish_reason for o in a.outputs] == [o.finish_reason for o in b.outputs]
+    # streamed progress never shows a token that is still on the device, and only grows
+    last: dict = {}
+    for out in seen:
+        for c in out.outputs:
+            assert PLACEHOLDER not in c.token_ids
+            key = (out.request_id, c.index)
+            assert c.token_ids[: len(last.get(key, []))] == last.get(key, [])
+            last[key] = c.token_ids
+
+
+def test_abort_during_an_overlapped_step_frees_everything(tiny_models):
+    llm = LLM(str(tiny_models["llama"]), max_model_len=256, num_gpu_blocks_override=120)
+    engine = llm.engine
+    for i in range(4):
+        engine.add_request(f"r{i}", list(range(200, 240)), SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True))
+    for _ in range(6):
+        engine.step()
+    assert engine.pending is not None
+    engine.abort_request("r1")
+    engine.abort_request("r2")
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.block_manager.num_free_blocks == 120
