@@ -45,7 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     resilience = parser.add_argument_group("resilience")
     resilience.add_argument("--num-retries", type=int, default=3, help="tries on other workers after a failure")
     resilience.add_argument("--cooldown-s", type=float, default=5.0, help="how long a failing worker is skipped")
-    resilience.add_argument("--allowed-fails", type=int, default=1, help="failures per minute before a cooldown")
+    resilience.add_argument("--allowed-fails", type=int, default=0, help="failures per minute tolerated before a cooldown")
     resilience.add_argument("--request-timeout-s", type=float, default=600.0)
     parser.add_argument("--max-parallel-requests", type=int, default=None,
                         help="requests in flight through the gateway before LiteLLM answers 429 (no database needed)")

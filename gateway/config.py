@@ -54,7 +54,7 @@ class ProxySettings:
     num_retries: int = 3
     request_timeout_s: float = 600.0
     cooldown_time_s: float = 5.0
-    allowed_fails: int = 1
+    allowed_fails: int = 0  # a worker that fails is cooled down at once: in a fleet, another can take the request
     worker_api_key: str | None = None
     max_parallel_requests: int | None = None  # proxy-wide; per-key and per-team limits need LiteLLM's database
 

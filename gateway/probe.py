@@ -92,7 +92,9 @@ class Prober:
             body = resp.json()
             waiting, running = int(body["waiting"]), int(body["running"])
             kv, max_seqs = float(body["kv_cache_usage"]), int(body.get("max_num_seqs", 0))
-        except Exception as exc:  # connection refused, timeout, bad JSON: all mean "not usable now"
+            if body.get("draining"):  # answers its probe but refuses new work with 503
+                raise RuntimeError("draining")
+        except Exception as exc:  # connection refused, timeout, bad JSON, draining: all mean "not usable now"
             load = self.loads.get(url)
             if load is not None:
                 if load.up is not False:

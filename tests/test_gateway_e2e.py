@@ -268,3 +268,37 @@ async def test_sigkill_loses_no_request_and_restarted_worker_rejoins(fleet):
     async with httpx.AsyncClient() as h:
         metrics = (await h.get(gateways["ours"].url + "/pagefleet/metrics")).text
     assert f'pagefleet_gateway_worker_up{{worker="{victim.url}"}} 1.0' in metrics
+
+
+# ---- 4. a draining worker answers 503: LiteLLM retries on the other one ----
+
+async def test_draining_worker_503_is_retried_elsewhere(fleet):
+    workers, gateways = fleet
+    draining, other = workers
+    draining.wait_ready()
+    async with httpx.AsyncClient(timeout=600) as h:
+        # One long request keeps the worker draining (503 for new work) instead of exiting at once.
+        long_one = asyncio.create_task(h.post(draining.url + "/v1/completions", json={
+            "model": MODEL, "prompt": "Tell a long story.", "max_tokens": 24, "ignore_eos": True}))
+        while (await h.get(draining.url + "/load")).json()["running"] < 1:
+            await asyncio.sleep(0.05)
+        draining.proc.send_signal(signal.SIGTERM)
+        while (await h.get(draining.url + "/ready")).status_code != 503:
+            await asyncio.sleep(0.05)
+        refused = await h.post(draining.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 1})
+        assert refused.status_code == 503  # the worker does refuse: what follows is the gateway's doing
+
+        async def one(name):
+            raw = await aclient(gateways[name]).completions.with_raw_response.create(model=MODEL, prompt="Hi",
+                                                                                     max_tokens=2)
+            raw.parse()
+            return served_by(raw), int(raw.headers.get("x-litellm-attempted-retries", 0))
+
+        results = {name: await asyncio.gather(*(one(name) for _ in range(8))) for name in ("shuffle", "ours")}
+        assert (await long_one).status_code == 200  # the drain let the in-flight request finish
+    for name, answers in results.items():
+        assert all(url == other.url for url, _ in answers), f"{name}: answered by the draining worker"
+    retries = {name: [r for _, r in answers] for name, answers in results.items()}
+    print(f"\nwhile draining, retries behind each answer: {retries}")
+    # simple-shuffle picks the draining worker about half the time: those answers came from a retry.
+    assert sum(retries["shuffle"]) >= 1

@@ -96,3 +96,17 @@ async def test_unreachable_worker_is_down_and_failure_marks_down_at_once(load_se
 def test_bad_intervals_are_refused():
     with pytest.raises(ValueError):
         Prober(interval_s=0)
+
+
+async def test_a_worker_that_says_it_is_draining_is_down(load_server):
+    url, answer, _ = load_server
+    prober = Prober(interval_s=10)
+    prober._client = httpx.AsyncClient()
+    prober.add(url)
+    answer["draining"] = True
+    await prober.probe_once(url)
+    assert prober.snapshot(url).up is False
+    answer["draining"] = False
+    await prober.probe_once(url)
+    assert prober.snapshot(url).up is True
+    await prober._client.aclose()
