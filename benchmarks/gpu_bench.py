@@ -256,6 +256,24 @@ def roofline(eng):
     RESULTS["roofline"] = rows
 
 
+@section("fp8")
+def fp8(path):
+    eng = engine(path, quantization="fp8", max_num_seqs=256)
+    rows = {}
+    for b, i, o in ((1, 512, 128), (8, 512, 128), (64, 512, 256), (256, 512, 256)):
+        reqs = static_requests(b, i, o)
+        run_engine(eng, [(ids, 2) for ids, _ in reqs], warmup=False)
+        rows[f"static_{b}"] = run_engine(eng, reqs, warmup=False)
+        print(f"fp8 batch {b}: {rows[f'static_{b}']['output_tok_per_s']:.1f} output tok/s", flush=True)
+    r = run_engine(eng, draw_requests(256, 0, (64, 1024), (32, 512), 128256), warmup=False)
+    rows["mixed_256_seed0"] = r
+    print(f"fp8 mixed 256 (seed 0): {r['output_tok_per_s']:.1f} output tok/s", flush=True)
+    RESULTS["fp8"] = rows
+    del eng
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
 @section("startup")
 def startup(path):
     t = time.time()
@@ -271,7 +289,7 @@ def main():
     ceilings()
     correctness()
     big = None
-    if any(s in SECTIONS for s in ("hf", "static", "eager", "mixed", "roofline", "startup")):
+    if any(s in SECTIONS for s in ("hf", "static", "eager", "mixed", "roofline", "fp8", "startup")):
         big = make_checkpoint("llama-3.1-8b", f"{ROOT}/llama-3.1-8b")
     hf_baseline(big)
     if any(s in SECTIONS for s in ("static", "eager", "mixed", "roofline")):
@@ -288,6 +306,7 @@ def main():
         del eng
         gc.collect()
         torch.cuda.empty_cache()
+    fp8(big)
     startup(big)
     save()
     print(json.dumps(RESULTS, indent=1, default=str))

@@ -178,8 +178,8 @@ class LLMEngine:
         """True when the step over `seqs` is a pure decode whose tokens nobody needs before the next step:
         no queue to admit, room for every next token, no sequence that must stop by length, and nothing
         that reads the new tokens on the host (penalties, logprobs)."""
-        if all_running and self.scheduler.waiting:
-            return False
+        if all_running and self.scheduler.waiting and len(self.scheduler.running) < self.config.max_num_seqs:
+            return False  # the queue could be admitted: a synchronous step with prefill comes next
         if not seqs or len(seqs) > self.config.max_num_batched_tokens or len(seqs) > getattr(self.runner, "max_graph_batch", len(seqs)):
             return False
         need = 0
