@@ -1,7 +1,10 @@
 """`pagefleet gateway` flags (clear errors for bad input) and its readiness gate."""
 
 import argparse
+import os
 import re
+import subprocess
+import sys
 
 import httpx
 import pytest
@@ -51,3 +54,17 @@ async def test_readiness_is_503_until_the_strategy_is_installed():
         assert (await c.get("/health/readiness")).status_code == 503
         gate.ready = True
         assert (await c.get("/health/readiness")).text == "ok"
+
+
+def test_gateway_never_imports_torch_or_the_worker(tmp_path):
+    """The gateway's image has no torch: neither our modules nor the LiteLLM proxy may pull it in."""
+    code = ("import sys\n"
+            "import pagefleet.gateway.app, pagefleet.gateway.strategy, pagefleet.gateway.membership\n"
+            "from litellm.proxy import proxy_server\n"
+            "bad = [m for m in sys.modules if m == 'torch' or m.startswith(('pagefleet.worker', 'pagefleet.kernels'))]\n"
+            "print(bad)\n")
+    # cwd outside the checkout: its top-level operator/ would shadow the standard library's operator.
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                          env={**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "[]"
