@@ -462,7 +462,7 @@ def build_app(engine, served_model_name: str | list[str] | None = None, api_key:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     a = parser.add_argument
-    a("--model", default=None, help="model folder or hub id (default: the bundled SmolLM2)")
+    a("--model", default=None, help="HF checkpoint folder (default: the bundled SmolLM2-135M-Instruct)")
     a("--served-model-name", nargs="+", default=None, help="name(s) clients use (default: the model folder name)")
     a("--host", default="0.0.0.0")
     a("--port", type=int, default=8000)
