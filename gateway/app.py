@@ -48,7 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     resilience.add_argument("--allowed-fails", type=int, default=0, help="failures per minute tolerated before a cooldown")
     resilience.add_argument("--request-timeout-s", type=float, default=600.0)
     parser.add_argument("--max-parallel-requests", type=int, default=None,
-                        help="requests in flight through the gateway before LiteLLM answers 429 (no database needed)")
+                        help="requests in flight through the gateway before it answers 429 (no database needed)")
     parser.add_argument("--worker-api-key", default=os.environ.get("PAGEFLEET_WORKER_API_KEY"),
                         help="key the gateway sends to workers started with --api-key")
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
@@ -71,9 +71,10 @@ def _validate(args: argparse.Namespace) -> tuple[ProxySettings, RoutingPolicy, l
             routing_strategy="simple-shuffle" if args.routing == "queue-depth" else args.routing,
             num_retries=args.num_retries, request_timeout_s=args.request_timeout_s,
             cooldown_time_s=args.cooldown_s, allowed_fails=args.allowed_fails, worker_api_key=args.worker_api_key,
-            max_parallel_requests=args.max_parallel_requests,
         )
         policy = RoutingPolicy(queue_threshold=args.queue_threshold, kv_threshold=args.kv_threshold)
+        if args.max_parallel_requests is not None and args.max_parallel_requests < 1:
+            raise ValueError("--max-parallel-requests must be >= 1")
     except ValueError as exc:
         raise SystemExit(f"pagefleet gateway: {exc}")
     return settings, policy, workers
@@ -103,14 +104,19 @@ async def serve(args: argparse.Namespace, settings: ProxySettings, policy: Routi
     from litellm.proxy import proxy_server
 
     from pagefleet.gateway.auth import MasterKeyOnly
+    from pagefleet.gateway.limits import InFlightLimit
     from pagefleet.gateway.membership import Fleet, start_kubernetes_membership
     from pagefleet.gateway.probe import Prober
 
     prober = Prober(interval_s=args.probe_interval_ms / 1000, timeout_s=args.probe_timeout_ms / 1000,
                     headers={"Authorization": f"Bearer {settings.worker_api_key}"} if settings.worker_api_key else None)
     _mount_metrics(proxy_server.app, prober)
+    # Outermost first: readiness gate, key check (a refused key never counts), in-flight cap, LiteLLM.
+    app = proxy_server.app
+    if args.max_parallel_requests:
+        app = InFlightLimit(app, args.max_parallel_requests)
     # Without a database LiteLLM answers a wrong key with 400 "No connected db."; ours says 401.
-    app = MasterKeyOnly(proxy_server.app, settings.master_key, database=bool(os.environ.get("DATABASE_URL")))
+    app = MasterKeyOnly(app, settings.master_key, database=bool(os.environ.get("DATABASE_URL")))
     app = NotReadyUntilRouting(app)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
                                            log_level="warning", timeout_graceful_shutdown=5))

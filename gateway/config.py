@@ -56,15 +56,12 @@ class ProxySettings:
     cooldown_time_s: float = 5.0
     allowed_fails: int = 0  # a worker that fails is cooled down at once: in a fleet, another can take the request
     worker_api_key: str | None = None
-    max_parallel_requests: int | None = None  # proxy-wide; per-key and per-team limits need LiteLLM's database
 
     def __post_init__(self):
         if not self.master_key.startswith("sk-"):
             raise ValueError("the LiteLLM master key must start with 'sk-'")
         if self.num_retries < 0 or self.cooldown_time_s < 0 or self.allowed_fails < 0:
             raise ValueError("num_retries, cooldown_time_s and allowed_fails must be >= 0")
-        if self.max_parallel_requests is not None and self.max_parallel_requests < 1:
-            raise ValueError("max_parallel_requests must be >= 1")
 
 
 def litellm_config(settings: ProxySettings, workers: list[tuple[str, str]]) -> dict:
@@ -89,8 +86,6 @@ def litellm_config(settings: ProxySettings, workers: list[tuple[str, str]]) -> d
         },
         "general_settings": {"master_key": settings.master_key},
     }
-    if settings.max_parallel_requests:
-        config["general_settings"]["global_max_parallel_requests"] = settings.max_parallel_requests
     return config
 
 
