@@ -140,3 +140,12 @@ def test_finished_sequence_blocks_go_to_the_waiting_request(tiny_models):
     assert second.num_computed_tokens == 100
     assert set(second.block_table) <= held_by_first | set(range(20))
     assert set(second.block_table) & held_by_first
+
+
+def test_prefix_cache_hits_then_reset_forgets(tiny_models):
+    llm = LLM(str(tiny_models["llama"]), max_model_len=256, num_gpu_blocks_override=100)
+    prompt = list(range(100, 180))  # 5 full blocks
+    llm.generate(prompt, SamplingParams(max_tokens=2))
+    assert llm.generate(prompt, SamplingParams(max_tokens=2))[0].num_cached_tokens == 64  # the last block is recomputed
+    llm.engine.block_manager.reset_prefix_cache()
+    assert llm.generate(prompt, SamplingParams(max_tokens=2))[0].num_cached_tokens == 0

@@ -30,6 +30,7 @@ def run_engine(engine, requests, warmup: bool = True) -> dict:
         while engine.has_unfinished_requests():
             engine.step()
     engine.emit_partial = False
+    engine.block_manager.reset_prefix_cache()  # nothing from an earlier workload (or the warm-up) is cached
     used = alloc = 0
     start = time.perf_counter()
     for i, (ids, out_len) in enumerate(requests):

@@ -1,0 +1,49 @@
+"""Plots for docs/benchmarks.md from the JSON the GPU benchmarks wrote (docs/results/)."""
+
+import json
+import sys
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+# vLLM 0.26.0 and transformers 5.17 on the same H200 (the shared anchors), output tok/s
+VLLM_STATIC = {1: 198.8, 8: 1334, 64: 6595, 128: 8527, 256: 9864}
+HF_STATIC = {1: 15.7, 8: 142, 64: 1110, 128: 2052}
+VLLM_SERVE = {1: 195, 4: 721, 8: 1308, 16: 2216, 32: 3420, 64: 4478}
+
+
+def main(results: Path, out: Path) -> None:
+    offline = json.loads((results / "h200-offline.json").read_text())
+    serve = json.loads((results / "h200-serve.json").read_text())
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
+    batches = [1, 8, 64, 128, 256]
+    x = range(len(batches))
+    w = 0.27
+    ours = [offline["static"][str(bs)]["output_tok_per_s"] for bs in batches]
+    a.bar([i - w for i in x], [HF_STATIC.get(bs, 0) for bs in batches], w, label="transformers 5.17")
+    a.bar(list(x), [VLLM_STATIC[bs] for bs in batches], w, label="vLLM 0.26")
+    a.bar([i + w for i in x], ours, w, label="pagefleet")
+    a.set_xticks(list(x), [str(bs) for bs in batches])
+    a.set_xlabel("batch (512 in; 128 out at 1-8, 256 out at 64-256)")
+    a.set_ylabel("output tok/s")
+    a.set_title("Static batches, Llama-3.1-8B shape, one H200")
+    a.legend()
+    conc = [r["concurrency"] for r in serve]
+    b.plot(conc, [VLLM_SERVE[c] for c in conc], "o-", label="vLLM 0.26 serve")
+    b.plot(conc, [r["output_tok_s"] for r in serve], "o-", label="pagefleet serve")
+    b.set_xscale("log", base=2)
+    b.set_xlabel("concurrency (564 in / 128 out, streaming)")
+    b.set_ylabel("output tok/s")
+    b.set_title("Serving, same H200")
+    b.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    root = Path(__file__).resolve().parent.parent
+    main(Path(sys.argv[1]) if len(sys.argv) > 1 else root / "docs" / "results", Path(sys.argv[2]) if len(sys.argv) > 2 else root / "docs" / "h200.png")
