@@ -368,6 +368,7 @@ BAD = [  # (path, body (dict or raw bytes), status, param)
     ("/v1/completions", {"prompt": "hi", "seed": 2**70}, 400, "seed"),
     ("/v1/completions", b'{"prompt": "hi", "temperature": NaN}', 400, "temperature"),
     ("/v1/completions", {"prompt": "hi", "echo": True}, 400, "echo"),
+    ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream_options"),
     ("/tokenize", {}, 400, "prompt"),
     ("/detokenize", {"tokens": [-3]}, 400, "tokens"),
     ("/v1/nothing-here", {}, 404, None),

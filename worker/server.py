@@ -207,6 +207,8 @@ def _sse(obj) -> str:
 async def _generate(state: ServerState, request: Request, chat: bool, model: str, prompts: list[list[int]],
                     params, stream: bool, include_usage: bool):
     """Run one completions / chat request; returns a JSON or a server-sent-events response."""
+    if include_usage and not stream:
+        raise APIError(400, "stream_options is only allowed with stream=true.", param="stream_options")
     state.admit()
     request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     created, n = int(time.time()), params.n
