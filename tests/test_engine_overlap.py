@@ -58,3 +58,31 @@ def test_abort_during_an_overlapped_step_frees_everything(tiny_models):
     while engine.has_unfinished_requests():
         engine.step()
     assert engine.block_manager.num_free_blocks == 120
+
+
+async def test_abort_from_outside_ends_the_stream_and_frees_blocks(tiny_models):
+    import asyncio
+
+    from pagefleet.worker.async_engine import AsyncLLMEngine
+    from pagefleet.worker.config import EngineConfig
+
+    engine = AsyncLLMEngine(EngineConfig(model=str(tiny_models["llama"]), max_model_len=256, num_gpu_blocks_override=64))
+    try:
+        async def consume():
+            seen = 0
+            async for _ in engine.generate(list(range(100, 120)), SamplingParams(max_tokens=200, ignore_eos=True), "x"):
+                seen += 1
+            return seen
+
+        task = asyncio.create_task(consume())
+        while engine.load()["running"] == 0:
+            await asyncio.sleep(0.01)
+        engine.abort("x")
+        assert await asyncio.wait_for(task, 10) < 200  # the consumer is not left waiting
+        for _ in range(200):
+            if engine.load()["kv_cache_usage"] == 0.0 and engine.load()["running"] == 0:
+                break
+            await asyncio.sleep(0.02)
+        assert engine.load() == {"waiting": 0, "running": 0, "kv_cache_usage": 0.0, "max_num_seqs": 256}
+    finally:
+        engine.shutdown()

@@ -21,6 +21,7 @@ from pagefleet.worker.sampling import SamplingParams
 
 log = logging.getLogger("pagefleet.engine")
 IDLE_WAIT_S = 0.05
+_ABORTED = object()  # the end of a stream whose request was aborted from outside
 
 
 class EngineDeadError(RuntimeError):
@@ -37,7 +38,9 @@ class AsyncLLMEngine:
         self.max_num_seqs = self.engine.config.max_num_seqs
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._pending_adds = 0  # accepted but not yet seen by the loop: counts as waiting
+        # accepted but not yet seen by the loop (counts as waiting); each counter has one writer thread
+        self._adds_sent = 0
+        self._adds_seen = 0
         self._wake = threading.Event()
         self._stopping = False
         self._error: BaseException | None = None
@@ -73,7 +76,7 @@ class AsyncLLMEngine:
             except queue.Empty:
                 return
             if op == "add":
-                self._pending_adds -= 1
+                self._adds_seen += 1
                 if request_id not in self._streams:  # aborted before the loop saw it
                     continue
                 try:
@@ -100,13 +103,16 @@ class AsyncLLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         q: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), q)
-        self._pending_adds += 1
+        self._adds_sent += 1
         self._inbox.put(("add", request_id, list(prompt_token_ids), params))
         self._wake.set()
         finished = False
         try:
             while True:
                 item = await q.get()
+                if item is _ABORTED:  # aborted by someone else: the stream just ends
+                    finished = True
+                    return
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
@@ -119,7 +125,10 @@ class AsyncLLMEngine:
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
-        self._streams.pop(request_id, None)
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:  # wake a consumer still waiting on this request
+            loop, q = stream
+            loop.call_soon_threadsafe(q.put_nowait, _ABORTED)
         self._inbox.put(("abort", request_id))
         self._wake.set()
 
@@ -128,7 +137,7 @@ class AsyncLLMEngine:
     def load(self) -> dict:
         s = self._stats
         return {
-            "waiting": s.num_waiting + max(self._pending_adds, 0),
+            "waiting": s.num_waiting + max(self._adds_sent - self._adds_seen, 0),
             "running": s.num_running,
             "kv_cache_usage": round(s.kv_cache_usage, 4),
             "max_num_seqs": self.max_num_seqs,
