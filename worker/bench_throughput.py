@@ -11,7 +11,7 @@ import json
 import random
 import time
 
-from pagefleet.worker.generate import add_engine_arguments, engine_config_from_args
+from pagefleet.worker.config import add_engine_arguments, engine_config_from_args
 from pagefleet.worker.sampling import SamplingParams
 
 WASTE_SAMPLE_EVERY = 8  # steps between KV-waste samples (a sample walks every block table)

@@ -22,6 +22,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pagefleet.worker.config import add_engine_arguments, engine_config_from_args
 from pagefleet.worker.metrics import CONTENT_TYPE, ServerMetrics
 from pagefleet.worker.protocol import (ERROR_RESPONSES, APIError, ChatCompletionRequest, CompletionRequest,
                                        DetokenizeRequest, TokenizeRequest, chat_logprobs, completion_logprobs,
@@ -443,7 +444,7 @@ def build_app(engine, served_model_name: str | list[str] | None = None, api_key:
 
     @app.get("/load")
     async def load():  # polled many times a second: skip FastAPI's response encoding
-        return JSONResponse(engine.load())
+        return JSONResponse({**engine.load(), "draining": state.draining})  # the gateway skips a draining worker
 
     @app.get("/metrics")
     async def metrics():
@@ -464,23 +465,10 @@ def build_app(engine, served_model_name: str | list[str] | None = None, api_key:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     a = parser.add_argument
-    a("--model", default=None, help="HF checkpoint folder (default: the bundled SmolLM2-135M-Instruct)")
+    add_engine_arguments(parser)  # --model, --max-model-len, --gpu-memory-fraction, ... as for generate and bench
     a("--served-model-name", nargs="+", default=None, help="name(s) clients use (default: the model folder name)")
     a("--host", default="0.0.0.0")
     a("--port", type=int, default=8000)
-    a("--gpu-memory-fraction", "--gpu-memory-utilization", dest="gpu_memory_fraction", type=float, default=0.9,
-      help="fraction of the GPU's memory this worker may use (weights + KV cache)")
-    a("--max-model-len", type=int, default=None)
-    a("--max-num-seqs", type=int, default=256)
-    a("--max-num-batched-tokens", type=int, default=2048)
-    a("--block-size", type=int, default=16)
-    a("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    a("--enforce-eager", action="store_true", help="no CUDA graphs")
-    a("--dtype", default="auto")
-    a("--device", default="auto")
-    a("--quantization", default=None)
-    a("--kv-cache-memory-bytes", type=int, default=None, help="KV cache budget on CPU")
-    a("--seed", type=int, default=0)
     a("--api-key", default=None,
       help="require Authorization: Bearer <key> on the API (default: $PAGEFLEET_API_KEY)")
     a("--max-queue", type=int, default=1024,
@@ -533,17 +521,10 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from pagefleet.worker.async_engine import AsyncLLMEngine
-    from pagefleet.worker.config import EngineConfig
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    config = EngineConfig(model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
-                          max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                          block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
-                          enforce_eager=args.enforce_eager, gpu_memory_fraction=args.gpu_memory_fraction,
-                          kv_cache_memory_bytes=args.kv_cache_memory_bytes, quantization=args.quantization,
-                          seed=args.seed)
     try:
-        config.validate()
+        config = engine_config_from_args(args)
     except ValueError as e:
         print(f"pagefleet serve: {e}")
         return 2
