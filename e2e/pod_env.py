@@ -14,6 +14,7 @@ from __future__ import annotations
 import base64
 import os
 import re
+import stat
 from pathlib import Path
 
 from kube_http import ApiError, KubeHTTP
@@ -120,6 +121,25 @@ def container_argv(container: dict, env: dict[str, str]) -> list[str]:
     if not argv:
         raise ValueError(f"container {container['name']!r} has no command/args (images are ignored)")
     return [expand(a, env) for a in argv]
+
+
+_HOSTPATH_CHECKS = {  # the kubelet's hostPath type checks that a local process can honour
+    "Directory": (os.path.isdir, "is not a directory"),
+    "File": (os.path.isfile, "is not a file"),
+    "Socket": (lambda p: os.path.exists(p) and stat.S_ISSOCK(os.stat(p).st_mode), "is not a socket"),
+}
+
+
+def hostpath_mount_failures(pod: dict) -> list[str]:
+    """FailedMount messages, worded as the kubelet words them, for hostPath volumes whose type check fails."""
+    failures = []
+    for vol in pod["spec"].get("volumes", []):
+        host = vol.get("hostPath")
+        check = _HOSTPATH_CHECKS.get((host or {}).get("type", ""))
+        if check and not check[0](host["path"]):
+            failures.append(f'MountVolume.SetUp failed for volume "{vol["name"]}" : hostPath type check failed: '
+                            f'{host["path"]} {check[1]}')
+    return failures
 
 
 def prepare_volumes(pod: dict, pod_dir: Path) -> dict[str, str]:

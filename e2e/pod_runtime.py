@@ -23,6 +23,7 @@ from probes import run_probe
 log = logging.getLogger("node-agent")
 
 TICK_SECONDS = 0.5
+MOUNT_RETRY_SECONDS = 2.0
 # The kubelet backs off 10 s doubling to 5 min; tests want restarts visible in seconds.
 BACKOFF_START, BACKOFF_MAX = 1.0, 20.0
 
@@ -76,6 +77,8 @@ class PodRuntime:
     # --- the pod's thread ------------------------------------------------------------------
     def _run(self) -> None:
         try:
+            if not self._wait_for_mounts():
+                return self._stop_all()
             self._prepare()
             if self._run_init_containers():
                 while self._stop_grace is None:
@@ -86,6 +89,37 @@ class PodRuntime:
             self.phase, self.message = "Failed", f"node agent: {err}"
             self._push_status()
         self._stop_all()
+
+    def _wait_for_mounts(self) -> bool:
+        """Like the kubelet: a hostPath that fails its type check keeps the pod Pending (ContainerCreating)
+        with a FailedMount event, retried until it appears or the pod goes away."""
+        reported = None
+        while self._stop_grace is None:
+            failures = pod_env.hostpath_mount_failures(self.pod)
+            if not failures:
+                return True
+            if failures[0] != reported:
+                reported = failures[0]
+                self._event("FailedMount", reported)
+                self.phase, self.message = "Pending", reported
+                self._push_status()
+            self._wake.wait(MOUNT_RETRY_SECONDS)
+        return False
+
+    def _event(self, reason: str, message: str) -> None:
+        meta = self.pod["metadata"]
+        now = rfc3339()
+        event = {
+            "apiVersion": "v1", "kind": "Event", "type": "Warning", "reason": reason, "message": message,
+            "metadata": {"generateName": meta["name"] + ".", "namespace": meta["namespace"]},
+            "involvedObject": {"apiVersion": "v1", "kind": "Pod", "name": meta["name"], "namespace": meta["namespace"], "uid": self.uid},
+            "source": {"component": "kubelet", "host": self.pod["spec"].get("nodeName", "")},
+            "firstTimestamp": now, "lastTimestamp": now, "count": 1,
+        }
+        try:
+            self.api.create(f"/api/v1/namespaces/{meta['namespace']}/events", event)
+        except ApiError as err:
+            log.warning("pod %s: could not post event %s: %s", self.key, reason, err)
 
     def _prepare(self) -> None:
         pod = self.pod

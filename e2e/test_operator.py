@@ -428,6 +428,25 @@ def test_missing_pvc_reports_model_source_unavailable(cluster, namespace, operat
     assert get_json(cluster, "pvc", "no-such-claim", "-n", namespace) is not None
 
 
+def test_missing_host_path_reports_model_source_unavailable(cluster, namespace, operator, tmp_path):
+    missing = str(tmp_path / "no-such-checkpoint")
+    assert apply(cluster, namespace, inference_service("nohostpath", missing, "m")).returncode == 0
+
+    def failed():
+        obj = get_json(cluster, "infsvc", "nohostpath", "-n", namespace)
+        cond = condition(obj or {}, "ModelSourceAvailable")
+        return obj if cond.get("status") == "False" else None
+
+    obj = wait_for("ModelSourceAvailable=False", failed, 90, on_timeout=operator.log_tail)
+    cond = condition(obj, "ModelSourceAvailable")
+    assert cond["reason"] == "MountFailed" and missing in cond["message"] and "not a directory" in cond["message"]
+    # The node refuses the mount (FailedMount), so the worker never starts: no crash loop.
+    for pod in children(cluster, namespace, "nohostpath")["pods"]:
+        assert pod["status"].get("phase") == "Pending"
+        assert all(cs.get("restartCount", 0) == 0 for cs in pod["status"].get("containerStatuses") or [])
+    kubectl(cluster, "delete", "infsvc", "nohostpath", "-n", namespace, "--wait=true", "--timeout=60s")
+
+
 # ---- kubectl scale, autoscaling off --------------------------------------------------------------
 
 def test_kubectl_scale_sets_deployment_replicas(cluster, namespace, operator):
