@@ -20,10 +20,6 @@ def use_triton(enabled: bool) -> None:
     _triton = {"attention": attention, "kv_cache": kv_cache, "norm": norm, "rope": rope, "activation": activation}
 
 
-def triton_in_use() -> bool:
-    return _triton is not None
-
-
 def rms_norm(x, weight, eps):
     return _triton["norm"].rms_norm(x, weight, eps) if _triton else ref.rms_norm(x, weight, eps)
 

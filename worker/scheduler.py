@@ -23,14 +23,6 @@ class ScheduledBatch:
     copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write block copies to run first
     preempted: list[Sequence] = field(default_factory=list)
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(self.num_new_tokens)
-
-    @property
-    def is_decode(self) -> bool:
-        return all(n == 1 for n in self.num_new_tokens) and all(s.num_computed_tokens + 1 == s.num_tokens for s in self.seqs)
-
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
@@ -43,9 +35,6 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
-
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
