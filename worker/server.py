@@ -1,7 +1,8 @@
 """`pagefleet serve`: the OpenAI-compatible HTTP face of one engine (FastAPI + uvicorn).
 
 The engine steps on its own thread; each engine request is pumped by its own asyncio task into a queue
-that the HTTP handler reads, so a slow client only ever delays itself. Only this module knows HTTP.
+that the HTTP handler reads (generation.py), so a slow client only ever delays itself. Only these two
+modules know HTTP.
 """
 
 from __future__ import annotations
@@ -9,30 +10,27 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hmac
-import json
 import logging
 import os
 import re
 import signal
 import time
-import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagefleet.worker.config import add_engine_arguments, engine_config_from_args
+from pagefleet.worker.generation import Generation, generate
 from pagefleet.worker.metrics import CONTENT_TYPE, ServerMetrics
 from pagefleet.worker.protocol import (ERROR_RESPONSES, APIError, ChatCompletionRequest, CompletionRequest,
-                                       DetokenizeRequest, TokenizeRequest, chat_logprobs, completion_logprobs,
-                                       error_body, message_dicts, sampling_params, usage)
+                                       DetokenizeRequest, TokenizeRequest, error_body, message_dicts, sampling_params)
 
 log = logging.getLogger("pagefleet.server")
 
 PROBE_PATHS = ("/health", "/ready", "/load", "/metrics")
 OPEN_PATHS = PROBE_PATHS + ("/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc")
-_CLOSED = object()
 _TYPE_TAG = re.compile(r"^(str|int|float|bool|none|[a-z-]+\[.*\])$")
 
 
@@ -48,7 +46,7 @@ class ServerState:
         self.draining = False
         self.num_in_flight = 0  # accepted generation requests, not yet finished
         self.num_queued = 0  # accepted and without a first token yet: what --max-queue bounds
-        self.generations: set[_Generation] = set()
+        self.generations: set[Generation] = set()
         self.metrics = ServerMetrics(self.model_name, engine.stats)
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
@@ -101,209 +99,6 @@ class ServerState:
             raise APIError(400, f"The chat template rejected the messages: {e}", param="messages") from None
         # The template already holds the special tokens (as LLM.chat does).
         return self.tokenizer.encode(text, add_special_tokens=False)
-
-
-class _Generation:
-    """One API request: one engine request per prompt, each pumped by its own task into one queue."""
-
-    def __init__(self, state: ServerState, request_id: str, prompts: list[list[int]], params):
-        self.state, self.params = state, params
-        self.engine_ids = [f"{request_id}-{i}" for i in range(len(prompts))]
-        self.done = [False] * len(prompts)
-        self.queue: asyncio.Queue = asyncio.Queue()
-        self.arrival = time.perf_counter()
-        self.last_token_at: float | None = None
-        self.tokens_seen: dict[tuple[int, int], int] = {}
-        self.queued = True
-        self.closed = False
-        state.num_in_flight += 1
-        state.num_queued += 1
-        state.generations.add(self)
-        self.pumps = [asyncio.create_task(self._pump(i, ids)) for i, ids in enumerate(prompts)]
-
-    async def _pump(self, i: int, ids: list[int]) -> None:
-        try:
-            async for out in self.state.engine.generate(ids, self.params, self.engine_ids[i]):
-                self.queue.put_nowait((i, out))
-            self.queue.put_nowait((i, None))
-        except Exception as e:  # handed to the reader, which owns the HTTP answer
-            self.queue.put_nowait((i, e))
-
-    async def events(self):
-        """(prompt index, RequestOutput) until every prompt finished, or nothing more once closed."""
-        while not all(self.done):
-            i, item = await self.queue.get()
-            if item is _CLOSED:
-                return
-            if item is None:
-                self.done[i] = True
-                continue
-            if isinstance(item, BaseException):
-                raise item
-            self._observe(i, item)
-            yield i, item
-        m = self.state.metrics
-        m.e2e.observe(time.perf_counter() - self.arrival)
-
-    def _observe(self, i: int, out) -> None:
-        # Latencies as the client sees them; one step can bring several tokens (one per choice with n > 1).
-        new = 0
-        for o in out.outputs:
-            key = (i, o.index)
-            new = max(new, len(o.token_ids) - self.tokens_seen.get(key, 0))
-            self.tokens_seen[key] = len(o.token_ids)
-            if o.finish_reason is not None and out.finished:
-                self.state.metrics.request_finished(o.finish_reason)
-        if not new:
-            return
-        now = time.perf_counter()
-        m = self.state.metrics
-        if self.last_token_at is None:
-            m.ttft.observe(now - self.arrival)
-            self._leave_queue()
-        else:
-            gap = (now - self.last_token_at) / new
-            for _ in range(new):
-                m.itl.observe(gap)
-        self.last_token_at = now
-
-    def _leave_queue(self) -> None:
-        if self.queued:
-            self.queued = False
-            self.state.num_queued -= 1
-
-    def close(self) -> None:
-        """Idempotent end: cancels the pumps (closing the engine's streams) and aborts unfinished requests,
-        so their KV blocks are freed at the next step."""
-        if self.closed:
-            return
-        self.closed = True
-        self._leave_queue()
-        for pump in self.pumps:
-            pump.cancel()
-        for engine_id, done in zip(self.engine_ids, self.done):
-            if not done:
-                self.state.engine.abort(engine_id)
-                for _ in range(self.params.n):
-                    self.state.metrics.request_finished("abort")
-        self.state.num_in_flight -= 1
-        self.state.generations.discard(self)
-        self.queue.put_nowait((None, _CLOSED))
-
-
-async def _close_on_disconnect(request: Request, gen: _Generation) -> None:
-    # The body is read already, so the next ASGI message is the disconnect; a non-streaming request
-    # has no other way to notice that its client left.
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            gen.close()
-            return
-
-
-def _sse(obj) -> str:
-    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
-
-
-async def _generate(state: ServerState, request: Request, chat: bool, model: str, prompts: list[list[int]],
-                    params, stream: bool, include_usage: bool):
-    """Run one completions / chat request; returns a JSON or a server-sent-events response."""
-    if include_usage and not stream:
-        raise APIError(400, "stream_options is only allowed with stream=true.", param="stream_options")
-    state.admit()
-    request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-    created, n = int(time.time()), params.n
-    want_logprobs = params.logprobs is not None
-    head = {"id": request_id, "object": ("chat.completion" if chat else "text_completion"),
-            "created": created, "model": model}
-    prompt_tokens = sum(len(p) for p in prompts)
-    gen = _Generation(state, request_id, prompts, params)
-    watcher = asyncio.create_task(_close_on_disconnect(request, gen))
-
-    def logprobs_of(entries, text_offset):
-        if not want_logprobs:
-            return None
-        if chat:
-            return chat_logprobs(entries or [], state.decode_token)
-        return completion_logprobs(entries or [], state.decode_token, text_offset)
-
-    def completion_tokens():
-        return sum(gen.tokens_seen.values())
-
-    if not stream:
-        try:
-            final: dict[int, object] = {}
-            async for i, out in gen.events():
-                final[i] = out
-            if not all(gen.done):  # the client left; nobody reads this
-                return Response(status_code=499)
-        except ValueError as e:
-            raise APIError(400, str(e)) from None
-        finally:
-            watcher.cancel()
-            gen.close()
-        choices = []
-        for i in sorted(final):
-            for o in sorted(final[i].outputs, key=lambda o: o.index):
-                c = {"index": i * n + o.index, "logprobs": logprobs_of(o.logprobs, 0),
-                     "finish_reason": o.finish_reason, "stop_reason": o.stop_reason}
-                if chat:
-                    c["message"] = {"role": "assistant", "content": o.text}
-                else:
-                    c["text"] = o.text
-                choices.append(c)
-        return JSONResponse({**head, "choices": choices, "usage": usage(prompt_tokens, completion_tokens())})
-
-    chunk_head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
-    extra = {"usage": None} if include_usage else {}
-
-    async def events():
-        seen: dict[int, list[int]] = {}  # choice index -> [text length sent, logprobs sent]
-        finished: set[int] = set()
-        pending: list[str] = []  # events not yet written: several steps' worth go out in one write
-        try:
-            if chat:  # the role first, as OpenAI does; it also sends the headers before the first token
-                for index in range(len(prompts) * n):
-                    yield _sse({**chunk_head, "choices": [{"index": index, "delta": {"role": "assistant",
-                                "content": ""}, "logprobs": None, "finish_reason": None}], **extra})
-            async for i, out in gen.events():
-                for o in out.outputs:
-                    index = i * n + o.index
-                    if index in finished:
-                        continue
-                    sent = seen.setdefault(index, [0, 0])
-                    text, entries = o.text[sent[0]:], (o.logprobs or [])[sent[1]:]
-                    if not text and not entries and o.finish_reason is None:
-                        continue
-                    offset, sent[0], sent[1] = sent[0], len(o.text), len(o.logprobs or [])
-                    if o.finish_reason is not None:
-                        finished.add(index)
-                    c = {"index": index, "logprobs": logprobs_of(entries, offset),
-                         "finish_reason": o.finish_reason, "stop_reason": o.stop_reason}
-                    if chat:
-                        c["delta"] = {"content": text} if text else {}
-                    else:
-                        c["text"] = text
-                    pending.append(_sse({**chunk_head, "choices": [c], **extra}))
-                if pending and gen.queue.empty():  # caught up with the engine: write what we have
-                    yield "".join(pending)
-                    pending.clear()
-            if include_usage:
-                pending.append(_sse({**chunk_head, "choices": [], "usage": usage(prompt_tokens, completion_tokens())}))
-        except APIError as e:
-            pending.append(_sse(e.body()))
-        except ValueError as e:
-            pending.append(_sse(error_body(str(e))))
-        except Exception as e:  # the status line is sent already: report in-band, as vLLM does
-            log.exception("stream %s failed", request_id)
-            pending.append(_sse(error_body(f"internal error: {e}", type="internal_error")))
-        finally:
-            watcher.cancel()
-            gen.close()
-        yield "".join(pending) + "data: [DONE]\n\n"
-
-    return StreamingResponse(events(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
 def _error_response(e: APIError) -> JSONResponse:
@@ -393,7 +188,7 @@ def build_app(engine, served_model_name: str | list[str] | None = None, api_key:
         for ids in prompts:
             state.check_prompt(ids, body.max_tokens, "prompt")
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return await _generate(state, request, False, model, prompts, params, body.stream, include_usage)
+        return await generate(state, request, False, model, prompts, params, body.stream, include_usage)
 
     @app.post("/v1/chat/completions", responses=ERROR_RESPONSES)
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -406,7 +201,7 @@ def build_app(engine, served_model_name: str | list[str] | None = None, api_key:
         ids = state.chat_prompt(body.messages)
         state.check_prompt(ids, max_tokens, "messages")
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return await _generate(state, request, True, model, [ids], params, body.stream, include_usage)
+        return await generate(state, request, True, model, [ids], params, body.stream, include_usage)
 
     @app.get("/v1/models")
     async def models():
