@@ -180,10 +180,8 @@ def test_helm_install_runs_the_operator_with_its_own_rbac(cluster):
     extra = cluster.env() if callable(cluster.env) else cluster.env
     env = {**os.environ, **extra, "KUBECONFIG": str(cluster.kubeconfig)}
 
-    def kubectl(*args, check=True):
-        result = subprocess.run(["kubectl", *args], capture_output=True, text=True, env=env, timeout=120)
-        assert not check or result.returncode == 0, result.stderr
-        return result
+    def kubectl(*args, check=True):  # the fixture's kubectl, with time for helm-installed objects
+        return cluster.kubectl(*args, check=check, timeout=120)
 
     values = {
         "operator": {"watchNamespaces": [namespace], "statusIntervalSeconds": 1, "livenessPort": 18080},
@@ -267,10 +265,8 @@ def test_helm_install_with_gateway_answers_openai_requests(cluster):
     extra = cluster.env() if callable(cluster.env) else cluster.env
     env = {**os.environ, **extra, "KUBECONFIG": str(cluster.kubeconfig)}
 
-    def kubectl(*args, check=True):
-        result = subprocess.run(["kubectl", *args], capture_output=True, text=True, env=env, timeout=120)
-        assert not check or result.returncode == 0, result.stderr
-        return result
+    def kubectl(*args, check=True):  # the fixture's kubectl, with time for helm-installed objects
+        return cluster.kubectl(*args, check=check, timeout=120)
 
     def wait(what, check, timeout):
         deadline = time.monotonic() + timeout
