@@ -166,10 +166,8 @@ def hf_baseline(path):
 
 
 def static_requests(batch, inp, out, vocab=128256):
-    import random
-
-    rng = random.Random(batch)
-    return [([rng.randint(100, min(120000, vocab) - 1) for _ in range(inp)], out) for _ in range(batch)]
+    """`batch` requests of exactly `inp` prompt and `out` output tokens (the anchors' draw, fixed lengths)."""
+    return draw_requests(batch, batch, (inp, inp), (out, out), vocab)
 
 
 @section("static")
