@@ -130,18 +130,20 @@ class LLMEngine:
     # ---- the step
 
     def step(self) -> list[RequestOutput]:
-        """One forward step. Pure decode steps overlap: step N+1 is launched before step N's tokens are
-        read back, so the host's scheduling and bookkeeping hide behind the GPU (outputs lag one step)."""
+        """One forward step. Steps overlap when nothing in them needs the host to see a token first:
+        step N+1 (decodes and prompt chunks alike) is launched before step N's tokens are read back,
+        so the host's scheduling and bookkeeping hide behind the GPU (outputs lag one step)."""
         start = time.perf_counter()
         outputs: list[RequestOutput] = []
-        if self.pending is not None and not self._can_overlap(self.scheduler.running, all_running=True):
-            outputs += self._resolve_pending()
         batch = self.scheduler.schedule()
+        overlap = self.config.async_scheduling and bool(batch.seqs) and self._can_overlap(batch)
+        if self.pending is not None and not overlap:
+            outputs += self._resolve_pending()
+            self._drop_finished(batch)  # a token read just now may have ended one of them
         if not batch.seqs:
-            return outputs + self._resolve_pending()
-        if self.config.async_scheduling and self._can_overlap(batch.seqs, all_running=False):
+            return outputs
+        if overlap:
             return outputs + self._launch_overlapped(batch, start)
-        assert self.pending is None
         logits = self.runner.run(batch)
         sampling: list[Sequence] = []
         rows: list[int] = []  # logits row of each sampling sequence (n samples share their prompt's row)
@@ -172,43 +174,65 @@ class LLMEngine:
         self.recent_steps.append(StepRecord(len(batch.seqs), num_prefill, num_decode, time.perf_counter() - start))
         return outputs + self._outputs(touched)
 
-    # ---- overlapped decode
+    # ---- overlapped steps
 
-    def _can_overlap(self, seqs: list[Sequence], all_running: bool) -> bool:
-        """True when the step over `seqs` is a pure decode whose tokens nobody needs before the next step:
-        no queue to admit, room for every next token, no sequence that must stop by length, and nothing
-        that reads the new tokens on the host (penalties, logprobs)."""
-        if all_running and self.scheduler.waiting and len(self.scheduler.running) < self.config.max_num_seqs:
-            return False  # the queue could be admitted: a synchronous step with prefill comes next
-        if not seqs or len(seqs) > self.config.max_num_batched_tokens or len(seqs) > getattr(self.runner, "max_graph_batch", len(seqs)):
+    def _can_overlap(self, batch) -> bool:
+        """True when no sequence that samples in this step needs its token on the host before the next
+        step: no logprobs, no penalties (they read the output so far), no samples to fork. Prompt chunks
+        that sample nothing never stand in the way; a preemption does (its victim may hold a pending token)."""
+        if batch.preempted:
             return False
-        need = 0
-        for seq in seqs:
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            if seq.num_computed_tokens + n < seq.num_tokens:
+                continue
             p = seq.params
-            if seq.num_tokens - seq.num_computed_tokens != 1 or seq.pending_forks or p.logprobs is not None:
+            if seq.pending_forks or p.logprobs is not None or p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
                 return False
-            if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
-                return False
-            if (p.max_tokens is not None and seq.num_output_tokens + 1 >= p.max_tokens) or seq.num_tokens + 1 >= self.max_model_len:
-                return False
-            need += self.block_manager.blocks_needed(seq, 1)
-        return need <= self.block_manager.num_free_blocks
+        return True
+
+    def _drop_finished(self, batch) -> None:
+        keep = [i for i, seq in enumerate(batch.seqs) if not seq.is_finished]
+        if len(keep) != len(batch.seqs):
+            batch.seqs = [batch.seqs[i] for i in keep]
+            batch.num_new_tokens = [batch.num_new_tokens[i] for i in keep]
 
     def _launch_overlapped(self, batch, start: float) -> list[RequestOutput]:
         prev = self.pending
         feed = None
-        if prev is not None:
+        if prev is not None:  # decodes over a token still on the device read it from there
             row_of = {seq.seq_id: i for i, seq in enumerate(prev.seqs)}
-            rows = np.array([row_of.get(s.seq_id, -1) if s.token_ids[-1] == PLACEHOLDER else -1 for s in batch.seqs], dtype=np.int64)
+            rows = np.full(sum(batch.num_new_tokens), -1, dtype=np.int64)
+            offset = 0
+            for seq, n in zip(batch.seqs, batch.num_new_tokens):
+                if seq.token_ids[-1] == PLACEHOLDER:
+                    rows[offset] = row_of[seq.seq_id]
+                offset += n
             feed = (rows, prev.tokens.device)
         logits = self.runner.run(batch, feed)
-        tokens = self.runner.sample_async(logits, batch.seqs)
-        for seq in batch.seqs:
-            seq.num_computed_tokens += 1
+        sampling: list[Sequence] = []
+        num_prefill = num_decode = 0
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            fed = seq.token_ids[-1] == PLACEHOLDER
+            if seq.num_computed_tokens + 1 == seq.num_tokens and n == 1:
+                num_decode += 1
+            else:
+                num_prefill += n
+            seq.num_computed_tokens += n
+            if not fed:  # a block holding a pending token is hashed when the token is known
+                self.block_manager.commit_full_blocks(seq)
+            if seq.num_computed_tokens == seq.num_tokens:
+                sampling.append(seq)
+        tokens = self.runner.sample_async(logits, sampling) if sampling else None
+        for seq in sampling:
             seq.token_ids.append(PLACEHOLDER)  # the real id arrives when this step is resolved
-        self.pending = PendingStep(list(batch.seqs), tokens, {s.seq_id for s in batch.seqs})
+            p = seq.params
+            if (p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens) or seq.num_tokens >= self.max_model_len:
+                # Its last token is on its way: leave the batch now so the next step does not run it and
+                # its blocks serve the queue (stream order keeps this step's writes ahead of their reuse).
+                self.scheduler.retire(seq)
+        self.pending = PendingStep(sampling, tokens, {s.seq_id for s in sampling}) if sampling else None
         self.steps_total += 1
-        self.recent_steps.append(StepRecord(len(batch.seqs), 0, len(batch.seqs), time.perf_counter() - start))
+        self.recent_steps.append(StepRecord(len(batch.seqs), num_prefill, num_decode, time.perf_counter() - start))
         return self._resolve(prev) if prev is not None else []
 
     def _resolve_pending(self) -> list[RequestOutput]:

@@ -76,6 +76,7 @@ class Scheduler:
             batch.num_new_tokens.append(n)
             budget -= n
         batch.copies = self.block_manager.take_copies()
+        _decodes_first(batch)
         return batch
 
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
@@ -91,6 +92,12 @@ class Scheduler:
         """A sample split off `parent` after its prompt: runs right behind it."""
         self.running.insert(self.running.index(parent) + 1, child)
 
+    def retire(self, seq: Sequence) -> None:
+        """A sequence whose last token is still being computed: out of the batch, blocks back to the pool;
+        `finish` follows once the token is read."""
+        self.running.remove(seq)
+        self.block_manager.free_sequence(seq)
+
     def finish(self, seq: Sequence) -> None:
         """Free a finished or aborted sequence's blocks now, so the next step can hand them out."""
         if seq in self.running:
@@ -99,3 +106,14 @@ class Scheduler:
             self.waiting.remove(seq)
         self.block_manager.free_sequence(seq)
         seq.status = SequenceStatus.FINISHED
+
+
+def _decodes_first(batch: ScheduledBatch) -> None:
+    """One-token entries lead the batch, so attention runs them through the decode kernel and only
+    the prompt chunks after them through the prefill kernel (stable: order within each group kept)."""
+    counts = batch.num_new_tokens
+    if all(n == 1 for n in counts) or all(n > 1 for n in counts):
+        return
+    order = [i for i, n in enumerate(counts) if n == 1] + [i for i, n in enumerate(counts) if n > 1]
+    batch.seqs = [batch.seqs[i] for i in order]
+    batch.num_new_tokens = [counts[i] for i in order]
