@@ -22,6 +22,8 @@ class AttentionMetadata:
     cu_seqlens_q: torch.Tensor  # int32 [num_seqs + 1]
     max_seq_len: int  # host copy of seq_lens.max(), so kernels need no device sync
     is_decode: bool  # every sequence has exactly one new token
+    num_decodes: int = 0  # mixed steps: the leading sequences with one new token (decode kernel)
+    prefill_cu_seqlens_q: torch.Tensor | None = None  # mixed steps: query offsets of the rest, from 0
 
 
 _context: AttentionMetadata | None = None
@@ -52,6 +54,8 @@ class PagedAttention(nn.Module):
             ops.write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
             if meta.is_decode:
                 out = ops.paged_decode_attention(q, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens, self.scale, meta.max_seq_len)
+            elif meta.num_decodes:
+                out = self._mixed(q, meta)
             else:
                 out = ops.paged_prefill_attention(
                     q, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q, self.scale, meta.max_seq_len
@@ -59,6 +63,18 @@ class PagedAttention(nn.Module):
         else:
             out = _attend_without_cache(q, k, v, meta, self.scale)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)
+
+    def _mixed(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Decodes and prompt chunks in one step: each part through its own kernel. The prefill kernel
+        would give every decode a whole query tile (32 tokens x 4 heads for one useful token)."""
+        nd = meta.num_decodes
+        out = torch.empty_like(q)
+        ops.paged_decode_attention(q[:nd], self.k_cache, self.v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], self.scale, meta.max_seq_len, out=out[:nd])
+        ops.paged_prefill_attention(
+            q[nd:], self.k_cache, self.v_cache, meta.block_tables[nd:], meta.seq_lens[nd:], meta.prefill_cu_seqlens_q,
+            self.scale, meta.max_seq_len, out=out[nd:],
+        )
+        return out
 
 
 def _attend_without_cache(q, k, v, meta, scale):

@@ -107,7 +107,8 @@ class ModelRunner:
                 slots.append(seq.block_table[p // bs] * bs + p % bs)
                 lens.append(p + 1)
             cu = np.arange(n + 1, dtype=np.int32)
-            logits_rows = list(range(n))
+            # every row samples, except a one-token prompt chunk that is not the prompt's last
+            logits_rows = [i for i, seq in enumerate(seqs) if seq.num_computed_tokens + 1 == seq.num_tokens]
         else:
             ids, pos, slots, lens, logits_rows = [], [], [], [], []
             cu = np.zeros(n + 1, dtype=np.int32)
@@ -147,13 +148,19 @@ class ModelRunner:
         else:
             dev = self.device
             tokens_d = torch.from_numpy(tokens).to(dev, non_blocking=True)
+            # The scheduler puts one-token entries first; attention runs them through the decode kernel.
+            num_decodes = 0 if is_decode else next((i for i, k in enumerate(batch.num_new_tokens) if k != 1), n)
+            cu_both = np.concatenate([cu, cu[num_decodes:] - cu[num_decodes]])
+            cu_d = torch.from_numpy(cu_both).to(dev, non_blocking=True)
             meta = AttentionMetadata(
                 slot_mapping=tokens_d[2],
                 block_tables=torch.from_numpy(tables).to(dev, non_blocking=True),
                 seq_lens=torch.from_numpy(seq_lens).to(dev, non_blocking=True),
-                cu_seqlens_q=torch.from_numpy(cu).to(dev, non_blocking=True),
+                cu_seqlens_q=cu_d[: n + 1],
                 max_seq_len=int(seq_lens.max()),
                 is_decode=is_decode,
+                num_decodes=num_decodes,
+                prefill_cu_seqlens_q=cu_d[n + 1 :],
             )
             set_attention_metadata(meta)
             if feed is not None:

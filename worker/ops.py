@@ -42,15 +42,13 @@ def write_kv_cache(k, v, k_cache, v_cache, slot_mapping):
     return ref.write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
 
 
-def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len):
-    if _triton:
-        return _triton["attention"].paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale=scale, max_seq_len=max_seq_len)
-    return ref.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale=scale, max_seq_len=max_seq_len)
+def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len, out=None):
+    impl = _triton["attention"] if _triton else ref
+    return impl.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale=scale, max_seq_len=max_seq_len, out=out)
 
 
-def paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, max_seq_len):
-    if _triton:
-        return _triton["attention"].paged_prefill_attention(
-            q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale=scale, max_seq_len=max_seq_len
-        )
-    return ref.paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale=scale, max_seq_len=max_seq_len)
+def paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, max_seq_len, out=None):
+    impl = _triton["attention"] if _triton else ref
+    return impl.paged_prefill_attention(
+        q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale=scale, max_seq_len=max_seq_len, out=out
+    )
