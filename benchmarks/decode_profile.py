@@ -1,0 +1,201 @@
+"""Where a decode step's time goes on the GPU: kernel time by kind, and the small-batch attention split sweep.
+
+Sections:
+  breakdown   Llama-3.1-8B shape, context 1k, batch 1 / 8 / 64 / 256: one engine step under the torch
+              profiler (CUDA graphs on, then eager), device time per step summed by kernel kind, against
+              the step's wall time (the difference is launch gaps and host time the GPU waited for)
+  attention   paged decode attention alone at batch 1 / 8 / 32, context 640 / 1k / 4k, replayed in a CUDA
+              graph 32 times on 32 block tables (as 32 layers would), over split counts and tile configs
+Usage: python benchmarks/decode_profile.py OUT_DIR [sections...]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from gpu_bench import ROOT, engine, fake_prefilled  # noqa: E402
+from make_checkpoint import make_checkpoint  # noqa: E402
+
+OUT = sys.argv[1] if len(sys.argv) > 1 else "."
+SECTIONS = sys.argv[2:] or ["breakdown", "attention"]
+RESULTS: dict = {}
+
+KINDS = [  # first match wins
+    ("attention", r"_decode_kernel|_decode_reduce|_prefill_kernel"),
+    ("kv write", r"write_kv"),
+    ("norm", r"rms"),
+    ("rope", r"rope"),
+    ("silu_mul", r"silu"),
+    ("gemm", r"gemm|gemv|xmma|cutlass|nvjet|splitk|sm90|matmul|_skinny"),
+    ("copies", r"memcpy|memset|copy|Memcpy|Memset"),
+]
+
+
+def kind_of(name: str) -> str:
+    for kind, pattern in KINDS:
+        if re.search(pattern, name, re.IGNORECASE):
+            return kind
+    return "other"
+
+
+def save():
+    with open(os.path.join(OUT, "decode_profile.json"), "w") as f:
+        json.dump(RESULTS, f, indent=1, default=str)
+
+
+def profile_steps(eng, steps: int) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(steps):
+        eng.step()
+    torch.cuda.synchronize()
+    wall_us = (time.perf_counter() - t) / steps * 1e6
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            eng.step()
+        torch.cuda.synchronize()
+    by_kind: dict[str, float] = {}
+    top = []
+    for e in prof.key_averages():
+        us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0.0)
+        if not us or e.key.startswith("ProfilerStep"):
+            continue
+        by_kind[kind_of(e.key)] = by_kind.get(kind_of(e.key), 0.0) + us / steps
+        top.append((us / steps, e.count // steps, e.key[:90]))
+    top.sort(reverse=True)
+    return {"wall_us": wall_us, "kernel_us": sum(by_kind.values()), "by_kind": by_kind, "top": top[:14]}
+
+
+def breakdown():
+    path = make_checkpoint("llama-3.1-8b", f"{ROOT}/llama-3.1-8b")
+    eng = engine(path)
+    eng.emit_partial = False
+    rows = {}
+    for b in (1, 8, 64, 256):
+        for mode in ("graphs", "eager"):
+            fake_prefilled(eng, b, 1024)
+            for _ in range(3):
+                eng.step()
+            graphs = eng.runner.graphs
+            if mode == "eager":
+                eng.runner.graphs = {}
+            r = profile_steps(eng, 8)
+            eng.runner.graphs = graphs
+            for rid in list(eng.requests):
+                eng.abort_request(rid)
+            while eng.pending is not None:
+                eng.step()
+            rows[f"b{b}_{mode}"] = r
+            kinds = ", ".join(f"{k} {v:.0f}" for k, v in sorted(r["by_kind"].items(), key=lambda kv: -kv[1]))
+            print(f"batch {b} {mode}: wall {r['wall_us']:.0f} us/step, kernels {r['kernel_us']:.0f} us ({kinds})", flush=True)
+            for us, count, name in r["top"][:8]:
+                print(f"    {us:8.1f} us  x{count:<4d} {name}", flush=True)
+    RESULTS["breakdown"] = rows
+    save()
+    del eng
+
+
+def time_graph(fn, reps=20) -> float:
+    """Median µs of one replay of a graph that holds fn's launches."""
+    fn()  # compile outside the capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def attention():
+    from pagefleet.kernels.attention import _num_sms, decode_num_splits, paged_decode_attention
+
+    H, Hkv, D, bs, layers = 32, 8, 128, 16, 32
+    copy_bw = ceiling_copy()
+    rows = []
+    for B in (1, 8, 32):
+        for ctx in (640, 1024, 4096):
+            nb = -(-ctx // bs)
+            total = layers * B * nb + 8
+            kc = torch.randn(total, bs, Hkv, D, device="cuda", dtype=torch.bfloat16)
+            vc = torch.randn_like(kc)
+            perm = torch.randperm(total, device="cuda")[: layers * B * nb].int().view(layers, B, nb)
+            sl = torch.full((B,), ctx, dtype=torch.int32, device="cuda")
+            q = torch.randn(B, H, D, device="cuda", dtype=torch.bfloat16)
+            out = torch.empty_like(q)
+            kv_bytes = B * ctx * Hkv * D * 2 * 2
+
+            def launches(**cfg):
+                def fn():
+                    for layer in range(layers):
+                        paged_decode_attention(q, kc, vc, perm[layer], sl, max_seq_len=ctx, out=out, **cfg)
+                return fn
+
+            default_splits = decode_num_splits(B, Hkv, ctx, _num_sms(q.device))
+            results = {"default": time_graph(launches()) / layers}
+            for splits in (1, 2, 4, 8, 16):
+                if splits > 1 and ctx // splits < 32:
+                    continue
+                for block_n in (32, 64, 128):
+                    for warps in (4, 8):
+                        try:
+                            us = time_graph(launches(num_splits=splits, block_n=block_n, num_warps=warps)) / layers
+                        except Exception as e:  # a tile that does not fit: skip it
+                            print(f"  skip splits={splits} block_n={block_n} warps={warps}: {type(e).__name__}", flush=True)
+                            continue
+                        results[f"splits={splits},block_n={block_n},warps={warps}"] = us
+            best = min((v, k) for k, v in results.items())
+            row = {"batch": B, "context": ctx, "default_splits": default_splits, "default_us": results["default"],
+                   "best_us": best[0], "best": best[1], "floor_us": kv_bytes / copy_bw * 1e6,
+                   "by_splits": {s: min(v for k, v in results.items() if k.startswith(f"splits={s},")) for s in (1, 2, 4, 8, 16)
+                                 if any(k.startswith(f"splits={s},") for k in results)}}
+            rows.append(row)
+            print(f"attention b={B} ctx={ctx}: default ({default_splits} splits) {row['default_us']:.1f} us, best {best[0]:.1f} us "
+                  f"[{best[1]}], floor {row['floor_us']:.1f} us; by splits " +
+                  " ".join(f"{s}:{v:.1f}" for s, v in row["by_splits"].items()), flush=True)
+            del kc, vc
+            torch.cuda.empty_cache()
+    RESULTS["attention"] = rows
+    save()
+
+
+def ceiling_copy() -> float:
+    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    y.copy_(x)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(10):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    return 2 * x.numel() * 10 / (time.perf_counter() - t)
+
+
+def main():
+    os.makedirs(OUT, exist_ok=True)
+    for name, fn in (("attention", attention), ("breakdown", breakdown)):
+        if name in SECTIONS:
+            print(f"\n=== {name}", flush=True)
+            start = time.time()
+            fn()
+            print(f"=== {name} took {time.time() - start:.1f}s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
