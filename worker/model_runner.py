@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
+from itertools import chain
 
 import numpy as np
 import torch
@@ -94,42 +95,37 @@ class ModelRunner:
 
     def prepare(self, batch: ScheduledBatch):
         """Host arrays for one step: [3, T] int64 (input ids, positions, slots), seq lens, query offsets,
-        block tables [n, width] int32, and the rows whose logits are sampled."""
+        block tables [n, width] int32, and the rows whose logits are sampled.
+
+        Per-sequence work is kept to list reads; the arithmetic runs in numpy over the whole step,
+        because at 512 sequences a Python loop per token or per table row costs milliseconds."""
         bs = self.block_size
-        seqs, counts = batch.seqs, batch.num_new_tokens
+        seqs = batch.seqs
         n = len(seqs)
-        if len(counts) == sum(counts):  # pure decode: the hot path, one token per sequence
-            ids, pos, slots, lens = [], [], [], []
-            for seq in seqs:
-                p = seq.num_computed_tokens
-                ids.append(seq.token_ids[p])
-                pos.append(p)
-                slots.append(seq.block_table[p // bs] * bs + p % bs)
-                lens.append(p + 1)
-            cu = np.arange(n + 1, dtype=np.int32)
-            # every row samples, except a one-token prompt chunk that is not the prompt's last
-            logits_rows = [i for i, seq in enumerate(seqs) if seq.num_computed_tokens + 1 == seq.num_tokens]
+        counts = np.asarray(batch.num_new_tokens, dtype=np.int64)
+        starts = np.fromiter((s.num_computed_tokens for s in seqs), dtype=np.int64, count=n)
+        ends = starts + counts
+        cu = np.zeros(n + 1, dtype=np.int32)
+        np.cumsum(counts, out=cu[1:])
+        total = int(cu[-1])
+        if total == n:  # pure decode: the hot path, one token per sequence
+            ids = [s.token_ids[p] for s, p in zip(seqs, starts.tolist())]
+            pos = starts
+            row = np.arange(n)
         else:
-            ids, pos, slots, lens, logits_rows = [], [], [], [], []
-            cu = np.zeros(n + 1, dtype=np.int32)
-            for i, (seq, k) in enumerate(zip(seqs, counts)):
-                start, end = seq.num_computed_tokens, seq.num_computed_tokens + k
-                ids += seq.token_ids[start:end]
-                positions = np.arange(start, end)
-                pos.append(positions)
-                table = np.asarray(seq.block_table, dtype=np.int64)
-                slots.append(table[positions // bs] * bs + positions % bs)
-                lens.append(end)
-                cu[i + 1] = cu[i] + k
-                if end == seq.num_tokens:  # the prompt is done (or this is a decode): this row samples
-                    logits_rows.append(int(cu[i + 1]) - 1)
-            pos, slots = np.concatenate(pos), np.concatenate(slots)
-        width = max(len(seq.block_table) for seq in seqs)
-        tables = np.zeros((n, width), dtype=np.int32)
-        for i, seq in enumerate(seqs):
-            tables[i, : len(seq.block_table)] = seq.block_table
-        tokens = np.array([ids, pos, slots], dtype=np.int64)
-        return tokens, np.asarray(lens, dtype=np.int32), cu, tables, logits_rows
+            ids = list(chain.from_iterable(s.token_ids[a:e] for s, a, e in zip(seqs, starts.tolist(), ends.tolist())))
+            row = np.repeat(np.arange(n), counts)
+            pos = np.arange(total) - np.repeat(cu[:-1].astype(np.int64), counts) + np.repeat(starts, counts)
+        widths = np.fromiter((len(s.block_table) for s in seqs), dtype=np.int64, count=n)
+        tables = np.zeros((n, int(widths.max())), dtype=np.int32)
+        tables[np.arange(tables.shape[1]) < widths[:, None]] = np.fromiter(
+            chain.from_iterable(s.block_table for s in seqs), dtype=np.int32, count=int(widths.sum()))
+        slots = tables[row, pos // bs].astype(np.int64) * bs + pos % bs
+        # a row samples when its prompt is done (or it is a decode); a prompt chunk that is not the last does not
+        num_tokens = np.fromiter((s.num_tokens for s in seqs), dtype=np.int64, count=n)
+        logits_rows = (cu[1:] - 1)[ends == num_tokens].tolist()
+        tokens = np.stack([np.asarray(ids, dtype=np.int64), pos, slots])
+        return tokens, ends.astype(np.int32), cu, tables, logits_rows
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch, feed: tuple[np.ndarray, torch.Tensor] | None = None) -> torch.Tensor | None:
