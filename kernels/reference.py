@@ -166,6 +166,17 @@ def apply_rope(q, k, positions, cos_sin_cache, inplace=False):
     return q_rot, k_rot
 
 
+# ---------------------------------------------------------------- skinny matmul (decode linears)
+
+
+def skinny_matmul(x, weight, bias=None):
+    """x [M, K] @ weight [N, K].T (+ bias [N]) -> [M, N] in x.dtype: fp32 math, rounded once."""
+    y = x.float() @ weight.float().t()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
 # ---------------------------------------------------------------- FP8
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn

@@ -86,3 +86,22 @@ def test_small_kernels_bf16():
     assert torch.allclose(s8, s8r) and (q8.float() != q8r.float()).float().mean() < 1e-4
     w8, ws = ref.quantize_weight_fp8(torch.randn(512, 4096, device="cuda", dtype=BF))
     close(fp8.fp8_linear(x, w8, ws), ref.fp8_linear(x, w8, ws), BF)
+
+
+LLAMA_8B_LINEARS = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
+                    "lm_head": (128256, 4096)}  # name: (N, K)
+
+
+@pytest.mark.parametrize("shape", list(LLAMA_8B_LINEARS))
+@pytest.mark.parametrize("M", [1, 2, 8, 16])
+def test_skinny_matmul_bf16(shape, M):
+    from pagefleet.kernels import gemv
+
+    N, K = LLAMA_8B_LINEARS[shape]
+    x = torch.randn(M, K, device="cuda", dtype=BF)
+    w = (torch.randn(N, K, device="cuda") / K**0.5).to(BF)
+    bias = torch.randn(N, device="cuda", dtype=BF)
+    out = torch.full((M, N), float("nan"), device="cuda", dtype=BF)
+    gemv.skinny_matmul(x, w, bias, out=out)
+    close(out, ref.skinny_matmul(x.float(), w.float(), bias.float()), BF)
+    close(gemv.skinny_matmul(x, w, split_k=2), ref.skinny_matmul(x.float(), w.float()), BF)

@@ -12,9 +12,9 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="interpreter tests: run by test_kernels.py in a child process")
 if os.environ.get("TRITON_INTERPRET") == "1":
     triton = pytest.importorskip("triton")
-    from pagefleet.kernels import activation, attention, fp8, kv_cache, norm, rope
+    from pagefleet.kernels import activation, attention, fp8, gemv, kv_cache, norm, rope
     TK = {"attention": attention, "kv_cache": kv_cache, "norm": norm, "rope": rope, "activation": activation,
-          "fp8": fp8}
+          "fp8": fp8, "gemv": gemv}
 
 from pagefleet.kernels import reference as ref
 from test_kernels import DTYPES, close, make_paged
@@ -140,3 +140,35 @@ def test_triton_attention_odd_shapes(block_size):
     expected = ref.paged_prefill_attention(q, k_cache, v_cache, bt, seq_lens, cu)
     close(TK["attention"].paged_prefill_attention(q, k_cache, v_cache, bt, seq_lens, cu, block_m=16, block_n=32),
           expected, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("M", [1, 3, 16])
+@pytest.mark.parametrize("split_k", [1, 2])
+def test_triton_gemv(dtype, M, split_k):
+    """K = 100 (a K tail after whole 32-wide tiles), N = 70 (a partial 16-row tile), bias, poisoned out."""
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(M, 100, generator=gen).to(dtype)
+    w = torch.randn(70, 100, generator=gen).to(dtype)
+    bias = torch.randn(70, generator=gen).to(dtype)
+    out = torch.full((M, 70), float("nan"), dtype=dtype)
+    TK["gemv"].skinny_matmul(x, w, bias, out=out, block_n=16, block_k=32, split_k=split_k)
+    close(out, ref.skinny_matmul(x.float(), w.float(), bias.float()), dtype)
+    got = TK["gemv"].skinny_matmul(x, w, block_n=16, block_k=32, split_k=split_k)
+    assert got.shape == (M, 70) and got.dtype == dtype
+    close(got, ref.skinny_matmul(x.float(), w.float()), dtype)
+
+
+def test_triton_gemv_strided_and_defaults():
+    """x and out as row views of wider buffers; the default config; M = 1 with a 64-wide K tile."""
+    gen = torch.Generator().manual_seed(12)
+    xs = torch.randn(5, 96, generator=gen)[:, :80]  # row stride 96, K = 80
+    w = torch.randn(40, 80, generator=gen)
+    outs = torch.full((5, 64), float("nan"))
+    TK["gemv"].skinny_matmul(xs, w, out=outs[:, :40])
+    close(outs[:, :40], ref.skinny_matmul(xs, w), torch.float32)
+    assert torch.isnan(outs[:, 40:]).all()  # nothing written past N
+    x1 = xs[:1]
+    close(TK["gemv"].skinny_matmul(x1, w, block_n=16, block_k=64), ref.skinny_matmul(x1, w), torch.float32)
+    with pytest.raises(ValueError):
+        TK["gemv"].skinny_matmul(x1, w, block_n=8)  # tl.dot needs 16 rows

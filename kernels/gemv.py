@@ -1,0 +1,150 @@
+"""Skinny matmul for decode-time linears (M <= 16 token rows): out = x @ weight.T + bias at memory bandwidth.
+
+At decode a linear layer's cost is reading its weight once; the arithmetic is nearly free. Each program
+owns BLOCK_N output channels and streams their weight rows in [BLOCK_N, BLOCK_K] tiles, multiplying each
+tile by the matching slice of all M rows of x, so the weight is read exactly once. Many small programs
+(not split-K) fill the GPU: in a CUDA graph a second launch per linear costs more than it saves.
+
+One path for every M: tl.dot with M padded to 16 rows (M_PAD). The tensor cores' wasted rows cost nothing
+here, and the dot lets Triton pipeline the weight loads (cp.async, num_stages); the usual M = 1 form
+(broadcast multiply, tl.sum) got no pipelining and measured no faster on the H200 even at its best tile
+(Llama-3.1-8B's linears at M = 1: 3805 us a decode step swept, against 3786 for the dot).
+
+H200, CUDA graph, 32 distinct weights per shape (benchmarks/gemv_bench.py): with the defaults, one decode
+step's linears at M = 1 took 3790 us against cuBLAS's 3931; lm_head read 4.53 TB/s (cuBLAS 4.38), and every
+shape and M in 1..16 was within 1% of cuBLAS or faster (o_proj 11.4 us against 13.6).
+"""
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _tile(acc, x_ptr, w_ptr, x_rows, m_mask, w_rows, k0, k_stop, BLOCK_K: tl.constexpr, MASK: tl.constexpr,
+          UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """acc += x[:, k0:k0+BLOCK_K] @ weight[rows, k0:k0+BLOCK_K].T; MASK only on a split's K tail."""
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    if MASK:
+        k_mask = offs_k[None, :] < k_stop
+        w = tl.load(w_ptr + w_rows[:, None] + offs_k[None, :], mask=k_mask, other=0.0)
+        x = tl.load(x_ptr + x_rows[:, None] + offs_k[None, :], mask=m_mask[:, None] & k_mask, other=0.0)
+    else:  # no predicate on the weight: its loads stay 16 bytes wide
+        w = tl.load(w_ptr + w_rows[:, None] + offs_k[None, :])
+        x = tl.load(x_ptr + x_rows[:, None] + offs_k[None, :], mask=m_mask[:, None], other=0.0)
+    if UPCAST:  # the interpreter mishandles half-precision arithmetic
+        w, x = w.to(tl.float32), x.to(tl.float32)
+    return tl.dot(x.to(w.dtype), tl.trans(w), acc, input_precision=PRECISION)
+
+
+@triton.jit(do_not_specialize=["M"])  # batch sizes up to M_PAD share one compile
+def _skinny_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, k_per_split, stride_xm, stride_wn, stride_om,
+                   HAS_BIAS: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """Program (n tile, k split): out rows of this split = x[:, split] @ weight[n tile, split].T (+ bias)."""
+    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, M_PAD)
+    # Rows past N re-read row n % N: every weight load is in bounds without a mask, and those rows are
+    # never stored. int64: vocab x hidden can pass 2**31 elements.
+    w_rows = (offs_n % N).to(tl.int64) * stride_wn
+    # Padded x rows are masked off, not clamped to a real row: every program re-reads its x slice from L2
+    # each tile (at BLOCK_N = 16 as many bytes as the weight tile), and clamped rows all hit the same few
+    # L2 lines (M = 2 ran 2x slower than M = 16 that way).
+    m_mask = offs_m < M
+    x_rows = offs_m * stride_xm
+    k_start = pid_k * k_per_split
+    k_stop = tl.minimum(k_start + k_per_split, K)
+    k_full = k_start + (k_stop - k_start) // BLOCK_K * BLOCK_K
+    acc = tl.zeros([M_PAD, BLOCK_N], dtype=tl.float32)
+    for k0 in range(k_start, k_full, BLOCK_K):
+        acc = _tile(acc, x_ptr, w_ptr, x_rows, m_mask, w_rows, k0, k_stop, BLOCK_K, False, UPCAST, PRECISION)
+    if k_full < k_stop:
+        acc = _tile(acc, x_ptr, w_ptr, x_rows, m_mask, w_rows, k_full, k_stop, BLOCK_K, True, UPCAST, PRECISION)
+
+    n_mask = offs_n < N
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    # With split-K, out is the fp32 workspace [split_k, M, N] (stride_om = N) and this split writes its slab.
+    rows = pid_k * M + offs_m
+    tl.store(out_ptr + rows[:, None] * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit(do_not_specialize=["M", "split_k"])
+def _split_reduce_kernel(part_ptr, bias_ptr, out_ptr, M, N, split_k, stride_om, HAS_BIAS: tl.constexpr,
+                         BLOCK: tl.constexpr):
+    """Program (n tile, row): out = the split partials summed in split order (deterministic) + bias."""
+    pid_n, row = tl.program_id(0), tl.program_id(1)
+    offs_n = pid_n * BLOCK + tl.arange(0, BLOCK)
+    mask = offs_n < N
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in range(split_k):
+        acc += tl.load(part_ptr + (s * M + row) * N + offs_n, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_om + offs_n, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(index):
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def default_config(M, N, K, num_sms=132):
+    """(block_n, block_k, num_warps, num_stages, split_k) for x [M, K] @ weight [N, K].T, M <= 16.
+
+    Swept on the H200 (benchmarks/gemv_bench.py): the largest BLOCK_N (16..64) that still gives every SM
+    4 programs, tiles of ~4096 weight elements (BLOCK_K 256 at 16 rows, 128 above), 2 warps, 4 stages
+    for the small tile. The same config was best or within ~2% for every M in 1..16 and for K = 4096 and
+    14336, so only N matters. Split-K lost wherever it was tried (o_proj 12.3 us against 11.1).
+    """
+    block_n = 64
+    while block_n > 16 and triton.cdiv(N, block_n) < 4 * num_sms:
+        block_n //= 2
+    return block_n, max(128, 4096 // block_n), 2, 4 if block_n == 16 else 3, 1
+
+
+def skinny_matmul(x, weight, bias=None, out=None, block_n=None, block_k=None, num_warps=None, num_stages=None,
+                  split_k=None):
+    """x [M, K] @ weight [N, K].T (+ bias [N]) -> [M, N] in x.dtype, fp32 accumulation.
+
+    weight is nn.Linear's, row-major, same dtype as x; x and out need a contiguous last dim. Built for
+    M <= 16 (one compile); larger M stays correct, padded to a power of two, but belongs to cuBLAS.
+    split_k > 1 writes fp32 partials to a workspace and adds a second, deterministic reduce launch
+    (chosen over fp32 atomics, which need a zeroed buffer, a third launch for the cast, and add in
+    arbitrary order).
+    """
+    M, K = x.shape
+    N = weight.shape[0]
+    assert weight.shape[1] == K and x.stride(-1) == 1 and weight.stride(-1) == 1
+    out = torch.empty(M, N, dtype=x.dtype, device=x.device) if out is None else out
+    assert out.shape == (M, N) and out.stride(-1) == 1
+    if M == 0 or N == 0:
+        return out
+    num_sms = _num_sms(x.device.index) if x.is_cuda else 132
+    defaults = default_config(M, N, K, num_sms)
+    block_n, block_k, num_warps, num_stages, split_k = (
+        given or default for given, default in zip((block_n, block_k, num_warps, num_stages, split_k), defaults))
+    if block_n < 16 or block_k < 16:
+        raise ValueError(f"block_n={block_n}, block_k={block_k}: tl.dot needs 16 or more")
+    # Whole BLOCK_K tiles per split, and no empty split.
+    k_per_split = triton.cdiv(triton.cdiv(max(K, 1), split_k), block_k) * block_k
+    split_k = triton.cdiv(max(K, 1), k_per_split)
+    if split_k > 1:
+        dest, stride_om = torch.empty(split_k, M, N, dtype=torch.float32, device=x.device), N
+    else:
+        dest, stride_om = out, out.stride(0)
+    _skinny_kernel[(triton.cdiv(N, block_n), split_k)](
+        x, weight, bias if bias is not None else x, dest, M, N, K, k_per_split, x.stride(0), weight.stride(0),
+        stride_om, HAS_BIAS=bias is not None and split_k == 1, M_PAD=max(16, triton.next_power_of_2(M)),
+        BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=not x.is_cuda,
+        PRECISION="ieee" if weight.dtype == torch.float32 else "tf32",  # fp32 weights: no silent tf32
+        num_warps=num_warps, num_stages=num_stages)
+    if split_k > 1:
+        block = min(1024, triton.next_power_of_2(N))
+        _split_reduce_kernel[(triton.cdiv(N, block), M)](
+            dest, bias if bias is not None else dest, out, M, N, split_k, out.stride(0), HAS_BIAS=bias is not None,
+            BLOCK=block, num_warps=4)
+    return out
