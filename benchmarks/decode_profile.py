@@ -4,6 +4,7 @@ Sections:
   breakdown   Llama-3.1-8B shape, context 1k, batch 1 / 8 / 64 / 256: one engine step under the torch
               profiler (CUDA graphs on, then eager), device time per step summed by kernel kind, against
               the step's wall time (the difference is launch gaps and host time the GPU waited for)
+  mixed       the anchors' mixed workloads (256 requests seed 0, 2048 seed 1) on the same engine
   attention   paged decode attention alone at batch 1 / 8 / 32, context 640 / 1k / 4k, replayed in a CUDA
               graph 32 times on 32 block tables (as 32 layers would), over split counts and tile configs
 Usage: python benchmarks/decode_profile.py OUT_DIR [sections...]
@@ -75,9 +76,7 @@ def profile_steps(eng, steps: int) -> dict:
     return {"wall_us": wall_us, "kernel_us": sum(by_kind.values()), "by_kind": by_kind, "top": top[:14]}
 
 
-def breakdown():
-    path = make_checkpoint("llama-3.1-8b", f"{ROOT}/llama-3.1-8b")
-    eng = engine(path)
+def breakdown(eng):
     eng.emit_partial = False
     rows = {}
     for b in (1, 8, 64, 256):
@@ -101,7 +100,18 @@ def breakdown():
                 print(f"    {us:8.1f} us  x{count:<4d} {name}", flush=True)
     RESULTS["breakdown"] = rows
     save()
-    del eng
+
+
+def mixed(eng):
+    from pagefleet.worker.bench_throughput import draw_requests, run_engine
+
+    rows = {}
+    for n, seed in ((256, 0), (2048, 1)):
+        r = run_engine(eng, draw_requests(n, seed, (64, 1024), (32, 512), 128256), warmup=False)
+        rows[f"{n}_seed{seed}"] = r
+        print(f"mixed {n} (seed {seed}): {r['output_tok_per_s']:.1f} output tok/s, {r['seconds']:.1f}s, KV waste {100 * r['kv_waste']:.2f} %", flush=True)
+    RESULTS["mixed"] = rows
+    save()
 
 
 def time_graph(fn, reps=20) -> float:
@@ -189,12 +199,17 @@ def ceiling_copy() -> float:
 
 def main():
     os.makedirs(OUT, exist_ok=True)
-    for name, fn in (("attention", attention), ("breakdown", breakdown)):
-        if name in SECTIONS:
-            print(f"\n=== {name}", flush=True)
-            start = time.time()
-            fn()
-            print(f"=== {name} took {time.time() - start:.1f}s", flush=True)
+    eng = None
+    for name, fn in (("attention", attention), ("breakdown", breakdown), ("mixed", mixed)):
+        if name not in SECTIONS:
+            continue
+        print(f"\n=== {name}", flush=True)
+        start = time.time()
+        if name != "attention" and eng is None:
+            eng = engine(make_checkpoint("llama-3.1-8b", f"{ROOT}/llama-3.1-8b"))
+            print(f"engine up in {time.time() - start:.1f}s", flush=True)
+        fn(eng) if name != "attention" else fn()
+        print(f"=== {name} took {time.time() - start:.1f}s", flush=True)
 
 
 if __name__ == "__main__":

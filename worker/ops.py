@@ -5,6 +5,9 @@ One switch, chosen once per process: `use_triton(True/False)`; the model runner 
 
 from __future__ import annotations
 
+import torch
+import torch.nn.functional as F
+
 from pagefleet.kernels import reference as ref
 
 _triton = None  # the kernels modules when Triton is in use, else None
@@ -15,9 +18,18 @@ def use_triton(enabled: bool) -> None:
     if not enabled:
         _triton = None
         return
-    from pagefleet.kernels import activation, attention, kv_cache, norm, rope
+    from pagefleet.kernels import activation, attention, gemv, kv_cache, norm, rope
 
-    _triton = {"attention": attention, "kv_cache": kv_cache, "norm": norm, "rope": rope, "activation": activation}
+    _triton = {"attention": attention, "kv_cache": kv_cache, "norm": norm, "rope": rope, "activation": activation, "gemv": gemv}
+
+
+SKINNY_MAX_ROWS = 16  # up to this many tokens a linear is a weight read: our GEMV beat cuBLAS there (docs/benchmarks-kernels.md)
+
+
+def linear(x, weight, bias=None):
+    if _triton and x.shape[0] <= SKINNY_MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype:
+        return _triton["gemv"].skinny_matmul(x, weight, bias)
+    return F.linear(x, weight, bias)
 
 
 def rms_norm(x, weight, eps):
