@@ -134,7 +134,7 @@ def time_graph(fn, reps=20) -> float:
 
 
 def attention():
-    from pagefleet.kernels.attention import _num_sms, decode_num_splits, paged_decode_attention
+    from pagefleet.kernels.attention import decode_config, paged_decode_attention
 
     H, Hkv, D, bs, layers = 32, 8, 128, 16, 32
     copy_bw = ceiling_copy()
@@ -157,7 +157,7 @@ def attention():
                         paged_decode_attention(q, kc, vc, perm[layer], sl, max_seq_len=ctx, out=out, **cfg)
                 return fn
 
-            default_splits = decode_num_splits(B, Hkv, ctx, _num_sms(q.device))
+            default_splits = decode_config(B, Hkv)[0]
             results = {"default": time_graph(launches()) / layers}
             for splits in (1, 2, 4, 8, 16):
                 if splits > 1 and ctx // splits < 32:

@@ -238,7 +238,7 @@ def decode():
             out = torch.empty_like(q)
             kv_bytes = 2 * B * ctx * HKV * D * kc.element_size()
             default_ms = bench(lambda: A.paged_decode_attention(q, kc, vc, bt, sl, max_seq_len=ctx, out=out))
-            auto = A.decode_num_splits(B, HKV, ctx, A._num_sms(q.device))
+            auto = A.decode_config(B, HKV)[0]
             best = (default_ms, "auto", auto)
             configs = [] if args.no_sweep else [(16, 4, 2)] if DRY else DECODE_CONFIGS
             split_choices = (1, 2, 4, 8)

@@ -61,9 +61,10 @@ def _attend_tile(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr, kv
 # ---------------------------------------------------------------- decode
 
 
-@triton.jit(do_not_specialize=["tokens_per_split", "num_splits"])  # one compile for every batch
+# one compile for every batch: stride_bt is the block table's width, which changes from step to step
+@triton.jit(do_not_specialize=["num_splits", "stride_bt"])
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
-                   qk_scale, tokens_per_split, num_splits,
+                   qk_scale, num_splits,
                    stride_qb, stride_qh, stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh,
                    stride_bt, stride_ob, stride_oh,
                    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
@@ -71,10 +72,11 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_p
     """Program (seq, kv_head, split): the GROUP query heads of one KV head over one slice of its keys."""
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
+    # Each sequence cuts its own keys into num_splits slices of whole tiles, from its length on the
+    # device: a CUDA graph captured once serves every context, and short sequences leave splits empty.
+    tokens_per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     start = split * tokens_per_split
-    # The last split runs to seq_len whatever max_seq_len said, so a stale hint (a CUDA graph captured
-    # at a shorter length) costs balance, never correctness.
-    end = tl.where(split == num_splits - 1, seq_len, tl.minimum(start + tokens_per_split, seq_len))
+    end = tl.minimum(start + tokens_per_split, seq_len)
 
     offs_g = tl.arange(0, GROUP_PAD)
     g_mask = offs_g < GROUP
@@ -133,49 +135,41 @@ def _decode_reduce_kernel(part_acc_ptr, part_ml_ptr, out_ptr, num_splits, num_he
     tl.store(out_ptr + seq * stride_ob + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
-_NUM_SMS = {}
+def decode_config(num_seqs, num_kv_heads):
+    """(num_splits, block_n, num_warps) for a decode batch, from its size alone (so a CUDA graph captured
+    for a batch size is right at every context).
 
-
-def _num_sms(device):
-    if device.type != "cuda":
-        return 132
-    if device.index not in _NUM_SMS:
-        _NUM_SMS[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
-    return _NUM_SMS[device.index]
-
-
-def decode_num_splits(num_seqs, num_kv_heads, max_seq_len, num_sms, min_tokens_per_split=1024, waves=2):
-    """Split the keys only when (seq, kv_head) programs alone cannot keep every SM busy for `waves` rounds.
-
-    Splits shorter than ~1k tokens lost on the H200 (batch 1, 8k context: 8 splits 41 us, 16-64 splits
-    over 100 us; docs/benchmarks-kernels.md), so a split keeps at least min_tokens_per_split keys.
+    Swept on the H200 (benchmarks/decode_profile.py, 32 layers replayed in a graph): the (sequence, KV head,
+    split) programs should number about 256. Batch 1 at context 1k: 1 split 22.7 us, 16 splits 7.1 us;
+    batch 8: 4 splits (16.5 us at 1k, 41.0 at 4k); batch 32 and up: no split. 128-key tiles won from
+    batch 8 to 32 (batch 32 at 1k: 38.7 us against 44.1); from batch 64 the 64-key tile measured best
+    (docs/benchmarks-kernels.md).
     """
-    base = num_seqs * num_kv_heads
-    want = triton.cdiv(num_sms * waves, base)
-    return max(1, min(want, triton.cdiv(max_seq_len, min_tokens_per_split), 64))
+    programs = num_seqs * num_kv_heads
+    num_splits = 1
+    while num_splits < 16 and programs * num_splits * 2 <= 256:
+        num_splits *= 2
+    block_n = 128 if 8 <= num_seqs < 64 else 64
+    return num_splits, block_n, 8 if block_n == 128 and num_splits > 1 else 4
 
 
 def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale=None, max_seq_len=None, out=None,
                            num_splits=None, block_n=None, num_warps=None, num_stages=None):
     """q [B, H, D] (one token per sequence) -> [B, H, D]. seq_lens / block_tables stay on the device.
 
-    max_seq_len (host int) bounds the split size; defaults to the block table's width, so no sync.
+    max_seq_len is accepted for symmetry with the prefill launcher: every sequence sizes its own splits.
     """
     B, H, D = q.shape
     _, block_size, Hkv, _ = k_cache.shape
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1 and q.stride(-1) == 1
     group = H // Hkv
     scale = 1.0 / math.sqrt(D) if scale is None else scale
-    if max_seq_len is None:
-        max_seq_len = block_tables.shape[1] * block_size
     out = torch.empty_like(q) if out is None else out
     if B == 0:
         return out
-    block_n = block_n or (64 if D <= 128 else 32)
-    if num_splits is None:
-        num_splits = decode_num_splits(B, Hkv, max_seq_len, _num_sms(q.device))
-    tokens_per_split = triton.cdiv(triton.cdiv(max(max_seq_len, 1), num_splits), block_n) * block_n
-    num_splits = triton.cdiv(max(max_seq_len, 1), tokens_per_split)
+    auto_splits, auto_block_n, auto_warps = decode_config(B, Hkv)
+    num_splits = num_splits or auto_splits
+    block_n = block_n or (auto_block_n if D <= 128 else 32)
     split = num_splits > 1
     d_pad = triton.next_power_of_2(D)
     if split:
@@ -185,12 +179,12 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale=No
         part_acc = part_ml = out  # unused
     _decode_kernel[(B, Hkv, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, part_acc, part_ml,
-        scale * LOG2E, tokens_per_split, num_splits,
+        scale * LOG2E, num_splits,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=D, HEAD_DIM_PAD=d_pad,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, SPLIT=split, UPCAST=not q.is_cuda,
-        num_warps=num_warps or 4, num_stages=num_stages or 2)  # swept on the H200: docs/benchmarks-kernels.md
+        num_warps=num_warps or auto_warps, num_stages=num_stages or 2)
     if split:
         _decode_reduce_kernel[(B, H)](part_acc, part_ml, out, num_splits, H, out.stride(0), out.stride(1),
                                       HEAD_DIM=D, HEAD_DIM_PAD=d_pad,
@@ -216,7 +210,7 @@ def _find_seq(cu_seqlens_q_ptr, tile, num_seqs, BLOCK_Q: tl.constexpr):
     return lo - 1
 
 
-@triton.jit(do_not_specialize=["num_seqs"])  # no recompile when the batch size changes
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt"])  # no recompile when the batch or table width changes
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, cu_seqlens_q_ptr, out_ptr,
                     qk_scale, num_seqs,
                     stride_qt, stride_qh, stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh,

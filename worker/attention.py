@@ -23,7 +23,10 @@ class AttentionMetadata:
     max_seq_len: int  # host copy of seq_lens.max(), so kernels need no device sync
     is_decode: bool  # every sequence has exactly one new token
     num_decodes: int = 0  # mixed steps: the leading sequences with one new token (decode kernel)
-    prefill_cu_seqlens_q: torch.Tensor | None = None  # mixed steps: query offsets of the rest, from 0
+    # mixed steps: the prompt chunks' own metadata (offsets from 0), in 16-byte-aligned device buffers
+    prefill_block_tables: torch.Tensor | None = None
+    prefill_seq_lens: torch.Tensor | None = None
+    prefill_cu_seqlens_q: torch.Tensor | None = None
 
 
 _context: AttentionMetadata | None = None
@@ -71,7 +74,7 @@ class PagedAttention(nn.Module):
         out = torch.empty_like(q)
         ops.paged_decode_attention(q[:nd], self.k_cache, self.v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], self.scale, meta.max_seq_len, out=out[:nd])
         ops.paged_prefill_attention(
-            q[nd:], self.k_cache, self.v_cache, meta.block_tables[nd:], meta.seq_lens[nd:], meta.prefill_cu_seqlens_q,
+            q[nd:], self.k_cache, self.v_cache, meta.prefill_block_tables, meta.prefill_seq_lens, meta.prefill_cu_seqlens_q,
             self.scale, meta.max_seq_len, out=out[nd:],
         )
         return out

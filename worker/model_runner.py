@@ -87,7 +87,7 @@ class ModelRunner:
         self.kv.bind(self.model)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         if self.device.type == "cuda":
-            self._warmup_prefill()
+            self._warmup()
             if not config.enforce_eager:
                 self._capture_graphs()
 
@@ -117,7 +117,7 @@ class ModelRunner:
             row = np.repeat(np.arange(n), counts)
             pos = np.arange(total) - np.repeat(cu[:-1].astype(np.int64), counts) + np.repeat(starts, counts)
         widths = np.fromiter((len(s.block_table) for s in seqs), dtype=np.int64, count=n)
-        tables = np.zeros((n, int(widths.max())), dtype=np.int32)
+        tables = np.zeros((n, -(-int(widths.max()) // 4) * 4), dtype=np.int32)  # rows 16-byte aligned
         tables[np.arange(tables.shape[1]) < widths[:, None]] = np.fromiter(
             chain.from_iterable(s.block_table for s in seqs), dtype=np.int32, count=int(widths.sum()))
         slots = tables[row, pos // bs].astype(np.int64) * bs + pos % bs
@@ -146,17 +146,20 @@ class ModelRunner:
             tokens_d = torch.from_numpy(tokens).to(dev, non_blocking=True)
             # The scheduler puts one-token entries first; attention runs them through the decode kernel.
             num_decodes = 0 if is_decode else next((i for i, k in enumerate(batch.num_new_tokens) if k != 1), n)
-            cu_both = np.concatenate([cu, cu[num_decodes:] - cu[num_decodes]])
-            cu_d = torch.from_numpy(cu_both).to(dev, non_blocking=True)
+            block_tables = torch.from_numpy(tables).to(dev, non_blocking=True)
+            seq_lens_d, cu_d, prefill_lens_d, prefill_cu_d = self._upload_int32(
+                seq_lens, cu, seq_lens[num_decodes:], cu[num_decodes:] - cu[num_decodes])
             meta = AttentionMetadata(
                 slot_mapping=tokens_d[2],
-                block_tables=torch.from_numpy(tables).to(dev, non_blocking=True),
-                seq_lens=torch.from_numpy(seq_lens).to(dev, non_blocking=True),
-                cu_seqlens_q=cu_d[: n + 1],
+                block_tables=block_tables,
+                seq_lens=seq_lens_d,
+                cu_seqlens_q=cu_d,
                 max_seq_len=int(seq_lens.max()),
                 is_decode=is_decode,
                 num_decodes=num_decodes,
-                prefill_cu_seqlens_q=cu_d[n + 1 :],
+                prefill_block_tables=block_tables[num_decodes:],  # rows of 4k int32: 16-byte aligned
+                prefill_seq_lens=prefill_lens_d,
+                prefill_cu_seqlens_q=prefill_cu_d,
             )
             set_attention_metadata(meta)
             if feed is not None:
@@ -167,6 +170,18 @@ class ModelRunner:
             return None
         rows = hidden if len(logits_rows) == hidden.shape[0] else hidden[torch.tensor(logits_rows, dtype=torch.long, device=self.device)]
         return self.model.compute_logits(rows)
+
+    def _upload_int32(self, *arrays: np.ndarray) -> list[torch.Tensor]:
+        """Several small int32 arrays in one host-to-device copy, each starting 16-byte aligned: Triton
+        compiles a kernel variant per pointer alignment, and a new variant mid-run costs seconds."""
+        pieces, offsets, at = [], [], 0
+        for a in arrays:
+            pad = -len(a) % 4
+            pieces += [a.astype(np.int32, copy=False), np.zeros(pad, dtype=np.int32)]
+            offsets.append(at)
+            at += len(a) + pad
+        flat = torch.from_numpy(np.concatenate(pieces)).to(self.device, non_blocking=True)
+        return [flat[o : o + len(a)] for o, a in zip(offsets, arrays)]
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]):
         return self.sampler.sample(logits, seqs)
@@ -189,20 +204,28 @@ class ModelRunner:
         return PendingTokens(tokens, host, event)
 
     @torch.inference_mode()
-    def _warmup_prefill(self) -> None:
-        """Compile the prefill-path kernels now, not in the first request's time to first token."""
+    def _warmup(self) -> None:
+        """Compile the eager path's kernel variants now (prefill, mixed decode + prefill, odd and even
+        token counts, every decode-split setting), not in the first requests' time."""
         dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.full((16,), -1, dtype=torch.long, device=dev),  # writes nothing
-            block_tables=torch.zeros(2, 1, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor([8, 8], dtype=torch.int32, device=dev),
-            cu_seqlens_q=torch.tensor([0, 8, 16], dtype=torch.int32, device=dev),
-            max_seq_len=8,
-            is_decode=False,
-        )
-        set_attention_metadata(meta)
-        self.model(torch.zeros(16, dtype=torch.long, device=dev), torch.arange(16, device=dev) % 8)
-        set_attention_metadata(None)
+        for num_decodes, chunks in ((0, [8]), (0, [5, 4]), (1, [7]), (3, [8]), (6, [3]), (12, [4, 5]), (40, [7]), (70, [3])):
+            q_lens = [1] * num_decodes + chunks
+            n, total = len(q_lens), sum(q_lens)
+            seq_lens = np.array([16] * num_decodes + chunks, dtype=np.int32)
+            cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+            block_tables = torch.zeros(n, 4, dtype=torch.int32, device=dev)
+            seq_lens_d, cu_d, prefill_lens_d, prefill_cu_d = self._upload_int32(
+                seq_lens, cu, seq_lens[num_decodes:], cu[num_decodes:] - cu[num_decodes])
+            meta = AttentionMetadata(
+                slot_mapping=torch.full((total,), -1, dtype=torch.long, device=dev),  # writes nothing
+                block_tables=block_tables, seq_lens=seq_lens_d, cu_seqlens_q=cu_d, max_seq_len=16, is_decode=False,
+                num_decodes=num_decodes, prefill_block_tables=block_tables[num_decodes:], prefill_seq_lens=prefill_lens_d,
+                prefill_cu_seqlens_q=prefill_cu_d,
+            )
+            set_attention_metadata(meta)
+            hidden = self.model(torch.zeros(total, dtype=torch.long, device=dev), torch.zeros(total, dtype=torch.long, device=dev))
+            self.model.compute_logits(hidden[:1])
+            set_attention_metadata(None)
         torch.cuda.synchronize()
 
     # ---- CUDA graphs for decode
@@ -228,7 +251,7 @@ class ModelRunner:
             "positions": tokens[1],
             "slot_mapping": tokens[2],
             "seq_lens": torch.ones(m, dtype=torch.int32, device=dev),
-            "block_tables": torch.zeros(m, self.max_blocks_per_seq, dtype=torch.int32, device=dev),
+            "block_tables": torch.zeros(m, -(-self.max_blocks_per_seq // 4) * 4, dtype=torch.int32, device=dev),
             "cu_seqlens_q": torch.arange(m + 1, dtype=torch.int32, device=dev),
         }
         self.graph_out: dict[int, torch.Tensor] = {}

@@ -27,7 +27,10 @@ SKINNY_MAX_ROWS = 16  # up to this many tokens a linear is a weight read: our GE
 
 
 def linear(x, weight, bias=None):
-    if _triton and x.shape[0] <= SKINNY_MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype:
+    # Only inside a CUDA graph capture: a Triton launch costs the host far more than a cuBLAS call
+    # (--enforce-eager at batch 1 went from ~14 to ~49 ms a step), and a graph replays it for free.
+    if (_triton and x.shape[0] <= SKINNY_MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
+            and torch.cuda.is_current_stream_capturing()):
         return _triton["gemv"].skinny_matmul(x, weight, bias)
     return F.linear(x, weight, bias)
 
