@@ -16,15 +16,13 @@ VLLM_SERVE = {1: 195, 4: 721, 8: 1308, 16: 2216, 32: 3420, 64: 4478}
 
 
 def main(results: Path, out: Path) -> None:
-    # static batches from the run whose prompts were not yet in the prefix cache (docs/benchmarks.md says why)
-    offline = json.loads((results / "h200-before-overlap.json").read_text())
-    serve = json.loads((results / "h200-serve.json").read_text())
+    offline = json.loads((results / "h200-run-g-offline.json").read_text())
+    serve = json.loads((results / "h200-run-g-serve.json").read_text())
     fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
     batches = [1, 8, 64, 128, 256]
     x = range(len(batches))
     w = 0.27
     ours = [offline["static"][str(bs)]["output_tok_per_s"] for bs in batches]
-    ours[0] = offline["eager_vs_graphs"]["1"]["graphs"]  # the first static run also paid for kernel compiles
     a.bar([i - w for i in x], [HF_STATIC.get(bs, 0) for bs in batches], w, label="transformers 5.17")
     a.bar(list(x), [VLLM_STATIC[bs] for bs in batches], w, label="vLLM 0.26")
     a.bar([i + w for i in x], ours, w, label="pagefleet")
