@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Serving benchmark on one GPU: `pagefleet serve` on a random-weight Llama-3.1-8B-shape checkpoint with a
 # word-level tokenizer (a prompt of N words is N tokens), then `pagefleet bench serve` against it.
-# Usage: benchmarks/serve_bench.sh OUT_DIR [MODEL_DIR]
+# Usage: benchmarks/serve_bench.sh OUT_DIR [MODEL_DIR [extra `pagefleet serve` flags, e.g. --quantization fp8]]
 set -euo pipefail
 out=${1:?OUT_DIR}; model=${2:-/dev/shm/pagefleet/llama-3.1-8b}
 mkdir -p "$out"
@@ -9,7 +9,7 @@ mkdir -p "$out"
 port=8765
 start=$(date +%s.%N)
 python3 -m pagefleet serve --model "$model" --served-model-name llama-8b --host 127.0.0.1 --port $port \
-  --max-model-len 2048 --max-num-seqs 256 --max-num-batched-tokens 8192 --disable-access-log >"$out/serve_server.log" 2>&1 &
+  --max-model-len 2048 --max-num-seqs 256 --max-num-batched-tokens 8192 --disable-access-log "${@:3}" >"$out/serve_server.log" 2>&1 &
 server=$!
 trap 'kill $server 2>/dev/null || true' EXIT
 until curl -sf http://127.0.0.1:$port/ready >/dev/null; do
