@@ -56,7 +56,7 @@ class PagedAttention(nn.Module):
         if self.k_cache.numel():  # the profiling run has no cache
             ops.write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
             if meta.is_decode:
-                out = ops.paged_decode_attention(q, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens, self.scale, meta.max_seq_len)
+                out = ops.paged_decode_attention(q, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens, self.scale, meta.max_seq_len, eager_step=True)
             elif meta.num_decodes:
                 out = self._mixed(q, meta)
             else:
