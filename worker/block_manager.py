@@ -123,7 +123,7 @@ class BlockManager:
         hashes = []
         for i in range(num_full):
             tokens = seq.token_ids[i * bs : (i + 1) * bs]
-            h = block_hash(parent, tokens)
+            h = block_hash(parent, tokens, seq.lora_id)  # an adapter's K/V differ from the base model's
             block_id = self.hash_to_block.get(h)
             if block_id is None or self.blocks[block_id].token_ids != tuple(tokens):
                 break
@@ -144,7 +144,7 @@ class BlockManager:
         parent = seq.block_hashes[-1] if seq.block_hashes else None
         for i in range(len(seq.block_hashes), full):
             tokens = seq.token_ids[i * bs : (i + 1) * bs]
-            h = block_hash(parent, tokens)
+            h = block_hash(parent, tokens, seq.lora_id)  # an adapter's K/V differ from the base model's
             seq.block_hashes.append(h)
             parent = h
             if not self.enable_prefix_caching:

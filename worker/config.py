@@ -23,6 +23,9 @@ class EngineConfig:
     quantization: str | None = None  # None or "fp8" (Hopper)
     seed: int = 0
     async_scheduling: bool = True  # overlap decode steps: launch step N+1 before reading step N's tokens
+    enable_lora: bool = False  # keep slots for LoRA adapters, loaded and unloaded while serving
+    max_loras: int = 4  # adapters loaded at once
+    max_lora_rank: int = 16
     cpu_threads: int | None = None  # torch threads on CPU; default half the cores (the server and tokenizer need the rest)
 
     def validate(self) -> "EngineConfig":
@@ -40,6 +43,8 @@ class EngineConfig:
         need(self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0, "kv_cache_memory_bytes must be > 0")
         need(self.num_gpu_blocks_override is None or self.num_gpu_blocks_override > 0, "num_gpu_blocks_override must be > 0")
         need(self.quantization in (None, "fp8"), f"quantization must be fp8 or unset, got {self.quantization!r}")
+        need(self.max_loras > 0 and self.max_lora_rank > 0, "max_loras and max_lora_rank must be > 0")
+        need(not (self.enable_lora and self.quantization), "LoRA adapters run on bf16 / fp32 weights; drop --quantization to use them")
         return self
 
 
@@ -61,6 +66,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quantization", default=None, choices=[None, "fp8"])
     parser.add_argument("--seed", type=int, default=d.seed)
     parser.add_argument("--cpu-threads", type=int, default=None)
+    parser.add_argument("--enable-lora", action="store_true", help="keep slots for LoRA adapters (PEFT folders)")
+    parser.add_argument("--max-loras", type=int, default=d.max_loras, help="LoRA adapters loaded at once")
+    parser.add_argument("--max-lora-rank", type=int, default=d.max_lora_rank)
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=d.async_scheduling,
                         help="overlap decode steps with the host's bookkeeping")
 
@@ -71,4 +79,5 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
         enforce_eager=args.enforce_eager, gpu_memory_fraction=args.gpu_memory_fraction, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         num_gpu_blocks_override=args.num_gpu_blocks_override, quantization=args.quantization, seed=args.seed, cpu_threads=args.cpu_threads, async_scheduling=args.async_scheduling,
+        enable_lora=args.enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
     ).validate()

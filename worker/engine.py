@@ -90,9 +90,11 @@ class LLMEngine:
 
     # ---- requests
 
-    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams, lora_name: str | None = None) -> None:
         """Raise ValueError for a request the engine cannot serve (callable from any thread)."""
         params.validate()
+        if lora_name is not None and lora_name not in self.lora_names():
+            raise ValueError(f"no LoRA adapter named {lora_name!r} is loaded")
         if not prompt_token_ids:
             raise ValueError("the prompt is empty")
         vocab = self.model_config.vocab_size
@@ -104,12 +106,14 @@ class LLMEngine:
                 f"(prompt plus at least one generated token must fit)"
             )
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        self.check_request(prompt_token_ids, params)
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, lora_name: str | None = None) -> None:
+        self.check_request(prompt_token_ids, params, lora_name)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         seed = params.seed
         parent = Sequence(request_id, 0, list(prompt_token_ids), len(prompt_token_ids), params, seed)
+        if lora_name is not None:
+            parent.lora_id = self.runner.lora.id_of[lora_name]
         parent.pending_forks = params.n - 1  # the other samples split off once the shared prompt is done
         self.requests[request_id] = Request(request_id, list(prompt_token_ids), params, [parent])
         self.scheduler.add(parent)
@@ -123,6 +127,25 @@ class LLMEngine:
             if not seq.is_finished:
                 seq.finish_reason = "abort"
                 self._finish(seq)
+
+    # ---- LoRA adapters (between steps: the async engine calls these on its loop thread)
+
+    def lora_names(self) -> list[str]:
+        return self.runner.lora.names if self.runner.lora is not None else []
+
+    def load_lora(self, name: str, path: str) -> None:
+        if self.runner.lora is None:
+            raise ValueError("LoRA adapters are off: start the engine with enable_lora (--enable-lora)")
+        self.runner.lora.load(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        if self.runner.lora is None or name not in self.runner.lora.names:
+            raise ValueError(f"no LoRA adapter named {name!r} is loaded")
+        lora_id = self.runner.lora.id_of[name]
+        users = sum(any(s.lora_id == lora_id for s in r.seqs) for r in self.requests.values())
+        if users:
+            raise ValueError(f"LoRA adapter {name!r} is in use by {users} request(s); unload it when they finish")
+        self.runner.lora.unload(name)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)

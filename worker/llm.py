@@ -35,14 +35,23 @@ class LLM:
         prompts: str | list[int] | Seq[str] | Seq[list[int]],
         params: SamplingParams | Seq[SamplingParams] | None = None,
         use_tqdm: bool = False,
+        lora_name: str | None = None,
     ) -> list[RequestOutput]:
+        """lora_name: an adapter loaded with load_lora, applied to every prompt of this call."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = params or SamplingParams()
         all_params = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(all_params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(all_params)} sampling params")
-        return self._run([self.encode(p) for p in prompts], all_params, use_tqdm)
+        return self._run([self.encode(p) for p in prompts], all_params, use_tqdm, lora_name)
+
+    def load_lora(self, name: str, path: str) -> None:
+        """Load a PEFT LoRA folder under `name` (needs enable_lora=True)."""
+        self.engine.load_lora(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        self.engine.unload_lora(name)
 
     def chat(self, conversations: list[dict] | list[list[dict]], params: SamplingParams | None = None, use_tqdm: bool = False):
         if conversations and isinstance(conversations[0], dict):
@@ -50,14 +59,14 @@ class LLM:
         params = params or SamplingParams()
         return self._run([self.chat_prompt_ids(c) for c in conversations], [params] * len(conversations), use_tqdm)
 
-    def _run(self, prompt_ids: list[list[int]], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, prompt_ids: list[list[int]], params: list[SamplingParams], use_tqdm: bool, lora_name: str | None = None) -> list[RequestOutput]:
         for ids, p in zip(prompt_ids, params):  # check all before adding any, so a bad one adds nothing
-            self.engine.check_request(ids, p)
+            self.engine.check_request(ids, p, lora_name)
         order = []
         for ids, p in zip(prompt_ids, params):
             request_id = f"offline-{next(self._ids)}"
             order.append(request_id)
-            self.engine.add_request(request_id, ids, p)
+            self.engine.add_request(request_id, ids, p, lora_name)
         done: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(order), desc="generate", unit="req", disable=not use_tqdm)
         while self.engine.has_unfinished_requests():

@@ -19,6 +19,7 @@ from pagefleet.worker.attention import AttentionMetadata, set_attention_metadata
 from pagefleet.worker.config import EngineConfig
 from pagefleet.worker.kv_cache import KVCache, size_kv_cache
 from pagefleet.worker.loader import build_model
+from pagefleet.worker.lora import set_lora_mapping
 from pagefleet.worker.models import ModelConfig
 from pagefleet.worker.sampler import Sampler
 from pagefleet.worker.scheduler import ScheduledBatch
@@ -79,6 +80,11 @@ class ModelRunner:
 
             quantize_model_fp8(self.model)
         self.load_seconds = time.time() - start
+        self.lora = None
+        if config.enable_lora:  # before the KV cache is sized, so the budget counts the adapter slots
+            from pagefleet.worker.lora import LoRAManager
+
+            self.lora = LoRAManager(self.model, config.max_loras, config.max_lora_rank, self.dtype, self.device)
         self.sampler = Sampler(self.device, config.seed, model_config.eos_token_ids)
         self.block_size = config.block_size
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
@@ -139,9 +145,10 @@ class ModelRunner:
         tokens, seq_lens, cu, tables, logits_rows = self.prepare(batch)
         n = len(batch.seqs)
         is_decode = tokens.shape[1] == n
-        if is_decode and self.graphs and n <= self.max_graph_batch:
+        lora_mapping = self.lora.mapping(batch.seqs, batch.num_new_tokens) if self.lora is not None else None
+        if is_decode and self.graphs and n <= self.max_graph_batch and lora_mapping is None:
             hidden = self._replay(tokens, seq_lens, tables, feed)
-        else:
+        else:  # prefill, mixed, LoRA and over-sized steps: eager
             dev = self.device
             tokens_d = torch.from_numpy(tokens).to(dev, non_blocking=True)
             # The scheduler puts one-token entries first; attention runs them through the decode kernel.
@@ -162,10 +169,12 @@ class ModelRunner:
                 prefill_cu_seqlens_q=prefill_cu_d,
             )
             set_attention_metadata(meta)
+            set_lora_mapping(lora_mapping)
             if feed is not None:
                 self._feed_device_tokens(tokens_d[0], feed)
             hidden = self.model(tokens_d[0], tokens_d[1])
             set_attention_metadata(None)
+            set_lora_mapping(None)
         if not logits_rows:  # only unfinished prompt chunks this step: nothing samples
             return None
         rows = hidden if len(logits_rows) == hidden.shape[0] else hidden[torch.tensor(logits_rows, dtype=torch.long, device=self.device)]

@@ -34,6 +34,7 @@ class Sequence:
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     num_cached_tokens: int = 0  # of those, served by the prefix cache at (re)admission
     pending_forks: int = 0  # samples still to split off once the prompt is done (n > 1 parents)
+    lora_id: int = 0  # the LoRA adapter this sample runs with (0: the base model)
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     logprobs: list[TokenLogprobs] | None = None
@@ -78,4 +79,5 @@ class Sequence:
         child.num_computed_tokens = self.num_computed_tokens
         child.num_cached_tokens = self.num_cached_tokens
         child.arrival_time = self.arrival_time
+        child.lora_id = self.lora_id
         return child

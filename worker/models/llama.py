@@ -29,10 +29,14 @@ class RMSNorm(nn.Module):
 
 
 class Linear(nn.Linear):
-    """nn.Linear whose decode-sized calls (a few token rows) go to our bandwidth-bound GEMV on CUDA."""
+    """nn.Linear whose decode-sized calls (a few token rows) go to our bandwidth-bound GEMV on CUDA, and
+    which adds its LoRA adapters' products when the engine has them (worker/lora.py)."""
+
+    lora = None  # LoRAWeights, attached by the LoRA manager
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.linear(x, self.weight, self.bias)
+        out = ops.linear(x, self.weight, self.bias)
+        return out if self.lora is None else self.lora.apply(x, out)
 
 
 class Attention(nn.Module):
