@@ -7,6 +7,7 @@ over in a thread-safe inbox, outputs come back with call_soon_threadsafe.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import queue
 import threading
@@ -83,6 +84,13 @@ class AsyncLLMEngine:
                     self.engine.add_request(request_id, *rest)
                 except ValueError as e:
                     self._deliver(request_id, e, True)
+            elif op == "lora":  # request_id is the adapter's name here; rest = (path or None, future)
+                path, done = rest
+                try:
+                    self.engine.load_lora(request_id, path) if path is not None else self.engine.unload_lora(request_id)
+                    done.set_result(None)
+                except ValueError as e:
+                    done.set_exception(e)
             else:
                 self.engine.abort_request(request_id)
 
@@ -94,17 +102,18 @@ class AsyncLLMEngine:
 
     # ---- the asyncio side
 
-    async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str) -> AsyncIterator[RequestOutput]:
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
+                       lora_name: str | None = None) -> AsyncIterator[RequestOutput]:
         """Stream cumulative outputs; ValueError for a bad request comes before anything is yielded."""
         if self._error is not None:
             raise EngineDeadError(f"engine loop stopped: {self._error}")
-        self.engine.check_request(prompt_token_ids, params)
+        self.engine.check_request(prompt_token_ids, params, lora_name)
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
         q: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), q)
         self._adds_sent += 1
-        self._inbox.put(("add", request_id, list(prompt_token_ids), params))
+        self._inbox.put(("add", request_id, list(prompt_token_ids), params, lora_name))
         self._wake.set()
         finished = False
         try:
@@ -131,6 +140,25 @@ class AsyncLLMEngine:
             loop.call_soon_threadsafe(q.put_nowait, _ABORTED)
         self._inbox.put(("abort", request_id))
         self._wake.set()
+
+    # ---- LoRA adapters: loaded and unloaded by the loop thread, between two steps
+
+    async def load_lora(self, name: str, path: str) -> None:
+        await self._lora_op(name, path)
+
+    async def unload_lora(self, name: str) -> None:
+        await self._lora_op(name, None)
+
+    async def _lora_op(self, name: str, path: str | None) -> None:
+        if self._error is not None:
+            raise EngineDeadError(f"engine loop stopped: {self._error}")
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._inbox.put(("lora", name, path, done))
+        self._wake.set()
+        await asyncio.wrap_future(done)
+
+    def lora_names(self) -> list[str]:
+        return self.engine.lora_names()
 
     # ---- probes
 

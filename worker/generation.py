@@ -26,8 +26,8 @@ _CLOSED = object()
 class Generation:
     """One API request: one engine request per prompt, each pumped by its own task into one queue."""
 
-    def __init__(self, state: ServerState, request_id: str, prompts: list[list[int]], params):
-        self.state, self.params = state, params
+    def __init__(self, state: ServerState, request_id: str, prompts: list[list[int]], params, lora_name: str | None = None):
+        self.state, self.params, self.lora_name = state, params, lora_name
         self.engine_ids = [f"{request_id}-{i}" for i in range(len(prompts))]
         self.done = [False] * len(prompts)
         self.queue: asyncio.Queue = asyncio.Queue()
@@ -43,7 +43,7 @@ class Generation:
 
     async def _pump(self, i: int, ids: list[int]) -> None:
         try:
-            async for out in self.state.engine.generate(ids, self.params, self.engine_ids[i]):
+            async for out in self.state.engine.generate(ids, self.params, self.engine_ids[i], self.lora_name):
                 self.queue.put_nowait((i, out))
             self.queue.put_nowait((i, None))
         except Exception as e:  # handed to the reader, which owns the HTTP answer
@@ -126,7 +126,7 @@ def _sse(obj) -> str:
 
 
 async def generate(state: ServerState, request: Request, chat: bool, model: str, prompts: list[list[int]],
-                    params, stream: bool, include_usage: bool):
+                    params, stream: bool, include_usage: bool, lora_name: str | None = None):
     """Run one completions / chat request; returns a JSON or a server-sent-events response."""
     if include_usage and not stream:
         raise APIError(400, "stream_options is only allowed with stream=true.", param="stream_options")
@@ -137,7 +137,7 @@ async def generate(state: ServerState, request: Request, chat: bool, model: str,
     head = {"id": request_id, "object": ("chat.completion" if chat else "text_completion"),
             "created": created, "model": model}
     prompt_tokens = sum(len(p) for p in prompts)
-    gen = Generation(state, request_id, prompts, params)
+    gen = Generation(state, request_id, prompts, params, lora_name)
     watcher = asyncio.create_task(_close_on_disconnect(request, gen))
 
     def logprobs_of(entries, text_offset):

@@ -23,6 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagefleet.worker.config import add_engine_arguments, engine_config_from_args
 from pagefleet.worker.generation import Generation, generate
+from pagefleet.worker.lora_api import add_lora_routes
 from pagefleet.worker.metrics import CONTENT_TYPE, ServerMetrics
 from pagefleet.worker.protocol import (ERROR_RESPONSES, APIError, ChatCompletionRequest, CompletionRequest,
                                        DetokenizeRequest, TokenizeRequest, error_body, message_dicts, sampling_params)
@@ -59,9 +60,13 @@ class ServerState:
     def check_model(self, model: str | None) -> str:
         if model is None:
             return self.model_name
-        if model not in self.served_model_names:
+        if model not in self.served_model_names and model not in self.engine.lora_names():
             raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
         return model
+
+    def lora_for(self, model: str) -> str | None:
+        """The LoRA adapter a request's `model` names, as in vLLM (None: the base model)."""
+        return None if model in self.served_model_names else model
 
     def admit(self) -> None:
         if self.draining:
@@ -188,7 +193,7 @@ def build_app(engine, served_model_name: str | list[str] | None = None, api_key:
         for ids in prompts:
             state.check_prompt(ids, body.max_tokens, "prompt")
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return await generate(state, request, False, model, prompts, params, body.stream, include_usage)
+        return await generate(state, request, False, model, prompts, params, body.stream, include_usage, state.lora_for(model))
 
     @app.post("/v1/chat/completions", responses=ERROR_RESPONSES)
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -201,13 +206,18 @@ def build_app(engine, served_model_name: str | list[str] | None = None, api_key:
         ids = state.chat_prompt(body.messages)
         state.check_prompt(ids, max_tokens, "messages")
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return await generate(state, request, True, model, [ids], params, body.stream, include_usage)
+        return await generate(state, request, True, model, [ids], params, body.stream, include_usage, state.lora_for(model))
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [
-            {"id": name, "object": "model", "created": 0, "owned_by": "pagefleet", "root": engine.model_name,
-             "max_model_len": state.max_model_len, "vocab_size": state.vocab_size} for name in state.served_model_names]}
+        base = [{"id": name, "object": "model", "created": 0, "owned_by": "pagefleet", "root": engine.model_name,
+                 "max_model_len": state.max_model_len, "vocab_size": state.vocab_size} for name in state.served_model_names]
+        adapters = [{"id": name, "object": "model", "created": 0, "owned_by": "pagefleet", "root": name,
+                     "parent": state.model_name, "max_model_len": state.max_model_len, "vocab_size": state.vocab_size}
+                    for name in engine.lora_names()]
+        return {"object": "list", "data": base + adapters}
+
+    add_lora_routes(app, state)
 
     @app.post("/tokenize", responses=ERROR_RESPONSES)
     async def tokenize(body: TokenizeRequest):
@@ -262,6 +272,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a = parser.add_argument
     add_engine_arguments(parser)  # --model, --max-model-len, --gpu-memory-fraction, ... as for generate and bench
     a("--served-model-name", nargs="+", default=None, help="name(s) clients use (default: the model folder name)")
+    a("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+      help="LoRA adapters (PEFT folders) to load at start-up; requests name them as their model (needs --enable-lora)")
     a("--host", default="0.0.0.0")
     a("--port", type=int, default=8000)
     a("--api-key", default=None,
@@ -326,8 +338,18 @@ def run(args: argparse.Namespace) -> int:
     if args.max_queue < 1:
         print("pagefleet serve: --max-queue must be at least 1")
         return 2
+    modules = [m.split("=", 1) for m in args.lora_modules]
+    if any(len(m) != 2 or not all(m) for m in modules) or (modules and not config.enable_lora):
+        print("pagefleet serve: --lora-modules takes NAME=PATH pairs and needs --enable-lora")
+        return 2
     try:
         engine = AsyncLLMEngine(config)
+
+        async def load_adapters():  # through the loop thread, as every later load goes
+            for name, path in modules:
+                await engine.load_lora(name, path)
+
+        asyncio.run(load_adapters())
     except ValueError as e:  # a bad model folder or a setting the model cannot take: say so, no traceback
         print(f"pagefleet serve: {e}")
         return 2
