@@ -12,7 +12,7 @@ import sys
 
 # command -> (module, help); the module provides add_arguments(parser) and run(args) -> int | None
 COMMANDS = {
-    "serve": ("pagefleet.worker.server", "run the OpenAI-compatible worker server"),
+    "serve": ("pagefleet.worker.serve", "run the OpenAI-compatible worker server"),
     "generate": ("pagefleet.worker.generate", "generate offline from prompts on the command line"),
     "operator": ("pagefleet.operator.main", "run the InferenceService operator (kopf)"),
     "gateway": ("pagefleet.gateway.app", "run the LiteLLM gateway with queue-depth routing"),
