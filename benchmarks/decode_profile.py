@@ -179,7 +179,7 @@ def attention():
             print(f"attention b={B} ctx={ctx}: default ({default_splits} splits) {row['default_us']:.1f} us, best {best[0]:.1f} us "
                   f"[{best[1]}], floor {row['floor_us']:.1f} us; by splits " +
                   " ".join(f"{s}:{v:.1f}" for s, v in row["by_splits"].items()), flush=True)
-            del kc, vc
+            kc = vc = perm = None  # free this shape's caches before the next one
             torch.cuda.empty_cache()
     RESULTS["attention"] = rows
     save()

@@ -25,7 +25,7 @@ def naive_prepare(batch, block_size):
 @pytest.mark.parametrize("budget", [7, 40, 512])  # many chunks, a mix, whole prompts
 def test_prepare_matches_a_per_sequence_rebuild(tiny_models, budget):
     llm = LLM(str(tiny_models["llama"]), max_model_len=256, num_gpu_blocks_override=200, max_num_batched_tokens=budget, block_size=8)
-    engine, runner = llm.engine, llm.engine.runner
+    runner = llm.engine.runner
     original = runner.prepare
     checked = []
 
