@@ -240,6 +240,20 @@ BAD_SPECS = [
     ("bad memory quantity",
      {"model": {"name": "m", "hostPath": {"path": "/m"}}, "resources": {"memory": "lots"}},
      "spec.resources.memory must be a Kubernetes quantity"),
+    ("two adapters of one name",
+     {"model": {"name": "m", "hostPath": {"path": "/m"}},
+      "lora": {"hostPath": {"path": "/a"}, "adapters": [{"name": "x", "path": "x1"}, {"name": "x", "path": "x2"}]}},
+     "spec.lora.adapters names must be unique"),
+    ("adapter named as the model",
+     {"model": {"name": "m", "hostPath": {"path": "/m"}}, "lora": {"hostPath": {"path": "/a"}, "adapters": [{"name": "m", "path": "x"}]}},
+     "spec.lora.adapters names must differ from spec.model.name"),
+    ("adapter path escaping its source",
+     {"model": {"name": "m", "hostPath": {"path": "/m"}}, "lora": {"pvc": {"claimName": "c"}, "adapters": [{"name": "x", "path": "../x"}]}},
+     "spec.lora.adapters[].path must be relative"),
+    ("fewer slots than adapters",
+     {"model": {"name": "m", "hostPath": {"path": "/m"}},
+      "lora": {"hostPath": {"path": "/a"}, "maxLoras": 1, "adapters": [{"name": "x", "path": "x"}, {"name": "z", "path": "z"}]}},
+     "spec.lora.maxLoras must be at least the number of adapters"),
 ]
 
 
@@ -256,7 +270,8 @@ def test_api_server_refuses_invalid_specs(cluster, namespace, what, spec, messag
 def test_valid_spec_gets_defaults(cluster, namespace):
     body = {"apiVersion": "pagefleet.io/v1alpha1", "kind": "InferenceService", "metadata": {"name": "defaults"},
             "spec": {"model": {"name": "m", "hostPath": {"path": "/m"}},
-                     "autoscaling": {"maxReplicas": 3}, "resources": {"cpu": 2, "memory": "1Gi"}}}
+                     "autoscaling": {"maxReplicas": 3}, "resources": {"cpu": 2, "memory": "1Gi"},
+                     "lora": {"pvc": {"claimName": "adapters"}, "adapters": [{"name": "sql", "path": "sql"}, {"name": "de", "path": "de/v1"}]}}}
     result = kubectl(cluster, "apply", "-n", namespace, "--dry-run=server", "-o", "json", "-f", "-",
                      input=yaml.safe_dump(body))
     spec = json.loads(result.stdout)["spec"]
@@ -265,6 +280,7 @@ def test_valid_spec_gets_defaults(cluster, namespace):
                                    "scaleDownDelaySeconds": 300}
     assert spec["resources"] == {"gpus": 1, "cpu": 2, "memory": "1Gi"}
     assert spec["image"] and spec["drainSeconds"] == 60
+    assert [a["name"] for a in spec["lora"]["adapters"]] == ["sql", "de"]  # the LoRA rules accept a valid list
 
 
 # ---- 2. a valid InferenceService serves the model -------------------------------------------------

@@ -26,10 +26,15 @@ DRAIN_FLAG = "--drain-timeout"
 PRESTOP_SLEEP_SECONDS = 5
 MODEL_VOLUME = "model"
 PVC_MOUNT_ROOT = "/models"
+LORA_VOLUME = "lora"
+LORA_MOUNT = "/adapters"
+DEFAULT_MAX_LORAS = 4
 
 # The selector label: every child and every worker pod carries it.
 INSTANCE_LABEL = f"{GROUP}/inference-service"
 SERVED_MODEL_ANNOTATION = f"{GROUP}/served-model-name"
+# The adapters' names, comma-separated: the gateway routes them to the same workers as the model.
+LORA_ADAPTERS_ANNOTATION = f"{GROUP}/lora-adapters"
 FIELD_MANAGER = "pagefleet-operator"
 
 # Engine field -> worker flag, in the order they are rendered. Booleans are handled apart.
@@ -102,23 +107,45 @@ def model_path(model: Mapping[str, Any]) -> str:
     return f"{PVC_MOUNT_ROOT}/{pvc['claimName']}"
 
 
-def model_volume(model: Mapping[str, Any]) -> dict[str, Any]:
-    if "hostPath" in model:
+def source_volume(name: str, source: Mapping[str, Any]) -> dict[str, Any]:
+    """The volume of a read-only source (spec.model or spec.lora): a node directory or a claim."""
+    if "hostPath" in source:
         # type Directory: the kubelet refuses to start a pod whose node lacks the checkpoint,
         # instead of creating an empty directory the worker would crash on.
-        return {"name": MODEL_VOLUME, "hostPath": {"path": model["hostPath"]["path"], "type": "Directory"}}
-    return {
-        "name": MODEL_VOLUME,
-        "persistentVolumeClaim": {"claimName": model["pvc"]["claimName"], "readOnly": True},
-    }
+        return {"name": name, "hostPath": {"path": source["hostPath"]["path"], "type": "Directory"}}
+    return {"name": name, "persistentVolumeClaim": {"claimName": source["pvc"]["claimName"], "readOnly": True}}
 
 
-def model_mount(model: Mapping[str, Any]) -> dict[str, Any]:
-    mount = {"name": MODEL_VOLUME, "mountPath": model_path(model), "readOnly": True}
-    sub_path = (model.get("pvc") or {}).get("subPath")
+def source_mount(name: str, source: Mapping[str, Any], mount_path: str) -> dict[str, Any]:
+    mount = {"name": name, "mountPath": mount_path, "readOnly": True}
+    sub_path = (source.get("pvc") or {}).get("subPath")
     if sub_path:
         mount["subPath"] = sub_path
     return mount
+
+
+def model_volume(model: Mapping[str, Any]) -> dict[str, Any]:
+    return source_volume(MODEL_VOLUME, model)
+
+
+def model_mount(model: Mapping[str, Any]) -> dict[str, Any]:
+    return source_mount(MODEL_VOLUME, model, model_path(model))
+
+
+def lora_args(spec: Mapping[str, Any]) -> list[str]:
+    """The worker's LoRA flags: slots for the adapters, and the adapters to load at start-up."""
+    lora = spec.get("lora")
+    if not lora:
+        return []
+    adapters = lora["adapters"]
+    args = ["--enable-lora", "--max-loras", str(lora.get("maxLoras", max(DEFAULT_MAX_LORAS, len(adapters))))]
+    if lora.get("maxLoraRank") is not None:
+        args += ["--max-lora-rank", str(lora["maxLoraRank"])]
+    return args + ["--lora-modules", *(f"{a['name']}={LORA_MOUNT}/{a['path']}" for a in adapters)]
+
+
+def lora_adapter_names(spec: Mapping[str, Any]) -> list[str]:
+    return [a["name"] for a in (spec.get("lora") or {}).get("adapters", [])]
 
 
 def worker_args(spec: Mapping[str, Any]) -> list[str]:
@@ -141,6 +168,7 @@ def worker_args(spec: Mapping[str, Any]) -> list[str]:
         args.append("--no-enable-prefix-caching")
     if engine.get("enforceEager"):
         args.append("--enforce-eager")
+    args += lora_args(spec)
     args += [DRAIN_FLAG, str(drain_seconds(spec))]
     args += [str(a) for a in engine.get("extraArgs") or []]
     return args
@@ -191,7 +219,8 @@ def worker_container(spec: Mapping[str, Any]) -> dict[str, Any]:
             {"name": "TRANSFORMERS_OFFLINE", "value": "1"},
         ],
         "ports": [{"name": "http", "containerPort": WORKER_PORT, "protocol": "TCP"}],
-        "volumeMounts": [model_mount(model), {"name": "dshm", "mountPath": "/dev/shm"}],
+        "volumeMounts": [model_mount(model), {"name": "dshm", "mountPath": "/dev/shm"}]
+        + ([source_mount(LORA_VOLUME, spec["lora"], LORA_MOUNT)] if spec.get("lora") else []),
         "startupProbe": _probe("/ready", STARTUP_PROBE),
         "readinessProbe": _probe("/ready", READINESS_PROBE),
         "livenessProbe": _probe("/health", LIVENESS_PROBE),
@@ -213,7 +242,7 @@ def deployment(body: Mapping[str, Any]) -> dict[str, Any]:
             model_volume(spec["model"]),
             # NCCL and tokenizer workers use shared memory; the container default of 64 MiB is too small.
             {"name": "dshm", "emptyDir": {"medium": "Memory"}},
-        ],
+        ] + ([source_volume(LORA_VOLUME, spec["lora"])] if spec.get("lora") else []),
         # SIGTERM comes after the preStop sleep; the worker then has drainSeconds to finish, plus a margin.
         "terminationGracePeriodSeconds": PRESTOP_SLEEP_SECONDS + drain_seconds(spec) + 10,
         "enableServiceLinks": False,
@@ -260,7 +289,7 @@ def service(body: Mapping[str, Any]) -> dict[str, Any]:
             "name": name,
             "namespace": meta["namespace"],
             "labels": labels(name),
-            "annotations": {SERVED_MODEL_ANNOTATION: body["spec"]["model"]["name"]},
+            "annotations": service_annotations(body["spec"]),
             "ownerReferences": [owner_reference(body)],
         },
         "spec": {
@@ -269,6 +298,14 @@ def service(body: Mapping[str, Any]) -> dict[str, Any]:
             "ports": [{"name": "http", "port": WORKER_PORT, "targetPort": "http", "protocol": "TCP"}],
         },
     }
+
+
+def service_annotations(spec: Mapping[str, Any]) -> dict[str, str]:
+    """What the gateway reads: the model group, and the adapters served in the same workers."""
+    annotations = {SERVED_MODEL_ANNOTATION: spec["model"]["name"]}
+    if lora_adapter_names(spec):
+        annotations[LORA_ADAPTERS_ANNOTATION] = ",".join(lora_adapter_names(spec))
+    return annotations
 
 
 def children(body: Mapping[str, Any]) -> list[dict[str, Any]]:

@@ -50,7 +50,11 @@ def test_printer_columns():
 def test_spec_fields_and_rules():
     spec = schema()["properties"]["spec"]
     assert set(spec["properties"]) >= {"model", "engine", "replicas", "autoscaling", "resources", "image",
-                                       "nodeSelector", "tolerations"}
+                                       "nodeSelector", "tolerations", "lora"}
+    lora = spec["properties"]["lora"]
+    assert [r["rule"] for r in lora["x-kubernetes-validations"]][:2] == [
+        "has(self.hostPath) != has(self.pvc)", "self.adapters.all(a, self.adapters.exists_one(b, b.name == a.name))"]
+    assert lora["properties"]["adapters"]["maxItems"] == 32  # bounds the CEL cost of the uniqueness rule
     model = spec["properties"]["model"]
     assert model["x-kubernetes-validations"][0]["rule"] == "has(self.hostPath) != has(self.pvc)"
     engine = spec["properties"]["engine"]["properties"]

@@ -206,3 +206,36 @@ def test_operator_imports_no_torch():
             "bad = [m for m in ('torch', 'pagefleet.worker', 'pagefleet.kernels') if m in sys.modules]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_lora_adapters_mount_read_only_and_load_at_start():
+    body = inference_service(lora={"pvc": {"claimName": "adapters", "subPath": "team-a"}, "maxLoraRank": 32,
+                                   "adapters": [{"name": "sql", "path": "sql-v3"}, {"name": "chat-de", "path": "de/v1"}]})
+    dep = resources.deployment(body)
+    pod = dep["spec"]["template"]["spec"]
+    assert {"name": "lora", "persistentVolumeClaim": {"claimName": "adapters", "readOnly": True}} in pod["volumes"]
+    mount = next(m for m in container(dep)["volumeMounts"] if m["name"] == "lora")
+    assert mount == {"name": "lora", "mountPath": "/adapters", "readOnly": True, "subPath": "team-a"}
+    args = container(dep)["args"]
+    assert "--enable-lora" in args and flag(args, "--max-loras") == "4" and flag(args, "--max-lora-rank") == "32"
+    at = args.index("--lora-modules")
+    assert args[at + 1 : at + 3] == ["sql=/adapters/sql-v3", "chat-de=/adapters/de/v1"]
+    assert args[at + 3].startswith("--")  # the list ends before the next flag
+    annotations = resources.service(body)["metadata"]["annotations"]
+    assert annotations == {"pagefleet.io/served-model-name": "smollm2", "pagefleet.io/lora-adapters": "sql,chat-de"}
+
+
+def test_lora_host_path_source_and_slots_for_every_listed_adapter():
+    adapters = [{"name": f"a{i}", "path": f"a{i}"} for i in range(6)]
+    dep = resources.deployment(inference_service(lora={"hostPath": {"path": "/mnt/nvme/adapters"}, "adapters": adapters}))
+    pod = dep["spec"]["template"]["spec"]
+    assert {"name": "lora", "hostPath": {"path": "/mnt/nvme/adapters", "type": "Directory"}} in pod["volumes"]
+    assert flag(container(dep)["args"], "--max-loras") == "6"
+
+
+def test_no_lora_section_renders_no_lora_flags_volume_or_annotation():
+    body = inference_service()
+    dep = resources.deployment(body)
+    assert not any(a.startswith("--enable-lora") or a == "--lora-modules" for a in container(dep)["args"])
+    assert all(v["name"] != "lora" for v in dep["spec"]["template"]["spec"]["volumes"])
+    assert "pagefleet.io/lora-adapters" not in resources.service(body)["metadata"]["annotations"]
