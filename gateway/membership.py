@@ -5,7 +5,8 @@
 InferenceService has a Service labelled `pagefleet.io/inference-service=<name>`, annotated with
 `pagefleet.io/served-model-name`, whose port is named `http`. The EndpointSlice controller copies
 the Service's labels onto its slices, so one watch on that label sees every worker of every
-InferenceService in the namespace; the Service annotation gives the model group.
+InferenceService in the namespace; the Service annotation gives the model group, and
+`pagefleet.io/lora-adapters` (comma-separated) the LoRA adapters the same workers serve, each its own group.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ log = logging.getLogger("pagefleet.gateway.membership")
 
 INSTANCE_LABEL = "pagefleet.io/inference-service"
 SERVED_MODEL_ANNOTATION = "pagefleet.io/served-model-name"
+LORA_ADAPTERS_ANNOTATION = "pagefleet.io/lora-adapters"
 SERVICE_NAME_LABEL = "kubernetes.io/service-name"
 PORT_NAME = "http"
 
@@ -82,6 +84,14 @@ def ready_workers(slice_obj: dict, served_model_name: str) -> set[tuple[str, str
     return out
 
 
+def model_groups(annotations: dict, service: str) -> list[str]:
+    """The model groups a Service's workers serve: its model, then its LoRA adapters.
+
+    No model annotation: the Service name is the model group (a hand-made Service still works)."""
+    adapters = [a.strip() for a in (annotations.get(LORA_ADAPTERS_ANNOTATION) or "").split(",") if a.strip()]
+    return [annotations.get(SERVED_MODEL_ANNOTATION) or service] + adapters
+
+
 def kubernetes_client():
     """In a pod, its service account; elsewhere $KUBECONFIG or ~/.kube/config. A clear error if neither."""
     from kubernetes import client, config
@@ -108,26 +118,23 @@ def watch_endpointslices(api, namespace: str, on_change: Callable[[set[tuple[str
     discovery, core = client.DiscoveryV1Api(api), client.CoreV1Api(api)
     selector = INSTANCE_LABEL
     slices: dict[str, dict] = {}  # slice name -> slice as a plain dict
-    model_of_service: dict[str, str] = {}
+    models_of_service: dict[str, list[str]] = {}
 
-    def served_model(service: str) -> str | None:
-        if service not in model_of_service:
+    def served_models(service: str) -> list[str]:
+        if service not in models_of_service:
             try:
                 svc = core.read_namespaced_service(service, namespace)
             except client.ApiException as exc:
                 log.warning("cannot read Service %s/%s: %s", namespace, service, exc.reason)
-                return None
-            annotations = svc.metadata.annotations or {}
-            # No annotation: the Service name is the model group (a hand-made Service still works).
-            model_of_service[service] = annotations.get(SERVED_MODEL_ANNOTATION) or service
-        return model_of_service[service]
+                return []
+            models_of_service[service] = model_groups(svc.metadata.annotations or {}, service)
+        return models_of_service[service]
 
     def publish() -> None:
         wanted = set()
         for s in slices.values():
             service = (s.get("metadata", {}).get("labels") or {}).get(SERVICE_NAME_LABEL)
-            model = served_model(service) if service else None
-            if model:
+            for model in served_models(service) if service else []:
                 wanted |= ready_workers(s, model)
         on_change(wanted)
 
@@ -135,7 +142,7 @@ def watch_endpointslices(api, namespace: str, on_change: Callable[[set[tuple[str
         try:
             listed = discovery.list_namespaced_endpoint_slice(namespace, label_selector=selector)
             slices = {s.metadata.name: api.sanitize_for_serialization(s) for s in listed.items}
-            model_of_service.clear()
+            models_of_service.clear()  # annotations (the adapters) may have changed meanwhile
             publish()
             w = watch.Watch()
             for event in w.stream(discovery.list_namespaced_endpoint_slice, namespace, label_selector=selector,

@@ -9,7 +9,7 @@ os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 import litellm  # noqa: E402
 import pytest  # noqa: E402
 
-from pagefleet.gateway.membership import Fleet, ready_workers  # noqa: E402
+from pagefleet.gateway.membership import Fleet, model_groups, ready_workers  # noqa: E402
 from pagefleet.gateway.probe import Prober  # noqa: E402
 from pagefleet.gateway.routing import RoutingPolicy  # noqa: E402
 from pagefleet.gateway.strategy import QueueDepthStrategy, worker_url_of  # noqa: E402
@@ -43,6 +43,27 @@ def test_slice_without_our_port_or_endpoints_gives_nothing():
 def test_ipv6_addresses_are_bracketed():
     s = endpoint_slice([{"addresses": ["fd00::5"], "conditions": {"ready": True}}], family="IPv6")
     assert ready_workers(s, "m") == {("m", "http://[fd00::5]:8000")}
+
+
+def test_lora_adapters_are_model_groups_of_the_same_workers():
+    annotations = {"pagefleet.io/served-model-name": "llama", "pagefleet.io/lora-adapters": "sql, chat-de,"}
+    assert model_groups(annotations, "svc") == ["llama", "sql", "chat-de"]
+    assert model_groups({}, "svc") == ["svc"]
+
+
+def test_an_adapter_group_routes_to_its_workers_and_leaves_with_them():
+    router = litellm.Router(model_list=[], routing_strategy="simple-shuffle")
+    prober = Prober(interval_s=10)
+    fleet = Fleet(router, prober)
+    s = endpoint_slice([{"addresses": ["10.0.0.1"]}, {"addresses": ["10.0.0.2"]}])
+    fleet.sync(set().union(*(ready_workers(s, m) for m in model_groups({"pagefleet.io/lora-adapters": "sql"}, "smol"))))
+    for group in ("smol", "sql"):
+        assert sorted(worker_url_of(d) for d in router.get_model_list(model_name=group)) == ["http://10.0.0.1:8000", "http://10.0.0.2:8000"]
+    # the worker is asked for the adapter by name: LiteLLM sends model=sql to it
+    assert {d["litellm_params"]["model"] for d in router.get_model_list(model_name="sql")} == {"openai/sql"}
+    assert set(prober.loads) == {"http://10.0.0.1:8000", "http://10.0.0.2:8000"}  # probed once per worker
+    fleet.sync(set())
+    assert router.model_list == [] and prober.loads == {}
 
 
 @pytest.fixture
