@@ -410,6 +410,48 @@ def test_deleting_removes_every_child_and_process(cluster, namespace, operator):
              on_timeout=lambda: f"{children(cluster, namespace, 'smol')} pids={worker_processes(SERVED)}")
 
 
+# ---- LoRA adapters from spec.lora -----------------------------------------------------------------
+
+def test_lora_adapters_are_served_by_name(cluster, namespace, operator, bundled_model, tmp_path):
+    """A PEFT adapter for the bundled model on the node's disk, named in spec.lora: the worker serves it
+    as its own model, and the Service tells the gateway so."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_pretrained(bundled_model, dtype=torch.float32)
+    peft_model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"],
+                                                 init_lora_weights=False))
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    peft_model.save_pretrained(tmp_path / "adapters" / "terse")
+    served = f"smol-lora-{uuid.uuid4().hex[:4]}"
+    body = inference_service("lora", bundled_model, served, lora={"hostPath": {"path": str(tmp_path / "adapters")},
+                                                                  "adapters": [{"name": "terse", "path": "terse"}]})
+    assert apply(cluster, namespace, body).returncode == 0
+    try:
+        obj = wait_ready(cluster, namespace, "lora", operator)
+        (endpoint,) = obj["status"]["endpoints"]
+        (svc,) = children(cluster, namespace, "lora")["services"]
+        assert svc["metadata"]["annotations"]["pagefleet.io/lora-adapters"] == "terse"
+        from openai import OpenAI
+
+        client = OpenAI(base_url=f"{endpoint}/v1", api_key="unused", timeout=120, max_retries=0)
+        assert sorted(m.id for m in client.models.list().data) == sorted([served, "terse"])
+
+        def ask(model):
+            return client.completions.create(model=model, prompt="The capital of France is", max_tokens=12,
+                                             temperature=0).choices[0].text
+
+        base_text, adapted = ask(served), ask("terse")
+        assert adapted and adapted != base_text, (base_text, adapted)  # the adapter is applied, not ignored
+    finally:
+        kubectl(cluster, "delete", "infsvc", "lora", "-n", namespace, "--wait=true", "--timeout=120s", check=False)
+
+
 # ---- a missing model source is a status, not a crash loop -----------------------------------------
 
 def test_missing_pvc_reports_model_source_unavailable(cluster, namespace, operator):

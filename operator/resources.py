@@ -141,7 +141,13 @@ def lora_args(spec: Mapping[str, Any]) -> list[str]:
     args = ["--enable-lora", "--max-loras", str(lora.get("maxLoras", max(DEFAULT_MAX_LORAS, len(adapters))))]
     if lora.get("maxLoraRank") is not None:
         args += ["--max-lora-rank", str(lora["maxLoraRank"])]
-    return args + ["--lora-modules", *(f"{a['name']}={LORA_MOUNT}/{a['path']}" for a in adapters)]
+    root = lora_root(lora)
+    return args + ["--lora-modules", *(f"{a['name']}={root}/{a['path']}" for a in adapters)]
+
+
+def lora_root(lora: Mapping[str, Any]) -> str:
+    """Where the adapters' source is mounted: a node directory at its own path (as the model), a claim at /adapters."""
+    return lora["hostPath"]["path"].rstrip("/") if "hostPath" in lora else LORA_MOUNT
 
 
 def lora_adapter_names(spec: Mapping[str, Any]) -> list[str]:
@@ -220,7 +226,7 @@ def worker_container(spec: Mapping[str, Any]) -> dict[str, Any]:
         ],
         "ports": [{"name": "http", "containerPort": WORKER_PORT, "protocol": "TCP"}],
         "volumeMounts": [model_mount(model), {"name": "dshm", "mountPath": "/dev/shm"}]
-        + ([source_mount(LORA_VOLUME, spec["lora"], LORA_MOUNT)] if spec.get("lora") else []),
+        + ([source_mount(LORA_VOLUME, spec["lora"], lora_root(spec["lora"]))] if spec.get("lora") else []),
         "startupProbe": _probe("/ready", STARTUP_PROBE),
         "readinessProbe": _probe("/ready", READINESS_PROBE),
         "livenessProbe": _probe("/health", LIVENESS_PROBE),

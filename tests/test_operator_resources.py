@@ -230,7 +230,10 @@ def test_lora_host_path_source_and_slots_for_every_listed_adapter():
     dep = resources.deployment(inference_service(lora={"hostPath": {"path": "/mnt/nvme/adapters"}, "adapters": adapters}))
     pod = dep["spec"]["template"]["spec"]
     assert {"name": "lora", "hostPath": {"path": "/mnt/nvme/adapters", "type": "Directory"}} in pod["volumes"]
+    mount = next(m for m in container(dep)["volumeMounts"] if m["name"] == "lora")
+    assert mount == {"name": "lora", "mountPath": "/mnt/nvme/adapters", "readOnly": True}  # its node path, as the model
     assert flag(container(dep)["args"], "--max-loras") == "6"
+    assert flag(container(dep)["args"], "--lora-modules") == "a0=/mnt/nvme/adapters/a0"
 
 
 def test_no_lora_section_renders_no_lora_flags_volume_or_annotation():
