@@ -171,3 +171,22 @@ def test_server_serves_loads_and_unloads_adapters(tiny_models, adapters, tmp_pat
         assert complete("a") == want["a"]  # the other adapter never moved
     finally:
         server.stop()
+
+
+def test_metrics_name_the_running_and_waiting_adapters_as_vllm_does(tiny_models, adapters):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from pagefleet.worker.metrics import ServerMetrics
+
+    llm = LLM(str(tiny_models["llama"]), max_model_len=256, enable_lora=True, max_lora_rank=8, max_num_seqs=1, max_loras=3)
+    llm.load_lora("a", str(adapters["a"]))
+    llm.load_lora("b", str(adapters["b"]))
+    engine = llm.engine
+    engine.add_request("1", PROMPTS[0], GREEDY, "a")
+    engine.add_request("2", PROMPTS[1], GREEDY, "b")
+    engine.step()  # one sequence at a time: a runs, b waits
+    families = {f.name: f for f in text_string_to_metric_families(ServerMetrics("tiny", engine.stats).render().decode())}
+    (sample,) = families["vllm:lora_requests_info"].samples
+    assert sample.labels == {"max_lora": "3", "running_lora_adapters": "a", "waiting_lora_adapters": "b"}
+    plain = LLM(str(tiny_models["llama"]), max_model_len=256)
+    assert "vllm:lora_requests_info" not in ServerMetrics("tiny", plain.engine.stats).render().decode()

@@ -40,6 +40,9 @@ class EngineStats:
     prefix_cache_hits_total: int
     steps_total: int
     recent_steps: list[StepRecord] = field(default_factory=list)
+    max_loras: int = 0  # 0: LoRA off
+    running_loras: list[str] = field(default_factory=list)  # adapters of running / waiting requests
+    waiting_loras: list[str] = field(default_factory=list)
 
 
 PLACEHOLDER = -1  # an output token still on the device (overlapped decode)
@@ -361,4 +364,17 @@ class LLMEngine:
             prefix_cache_hits_total=self.block_manager.prefix_hits,
             steps_total=self.steps_total,
             recent_steps=list(self.recent_steps),
+            **self._lora_stats(),
         )
+
+    def _lora_stats(self) -> dict:
+        lora = self.runner.lora
+        if lora is None:
+            return {}
+        name_of = {i: name for name, i in lora.id_of.items()}
+
+        def names(seqs) -> list[str]:
+            return sorted({name_of[s.lora_id] for s in seqs if s.lora_id in name_of})
+
+        return {"max_loras": lora.max_loras, "running_loras": names(self.scheduler.running),
+                "waiting_loras": names(self.scheduler.waiting)}

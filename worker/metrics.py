@@ -7,6 +7,7 @@ in the server from the stream each client sees: time to first token, gaps betwee
 
 from __future__ import annotations
 
+import time
 from typing import Callable
 
 from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, disable_created_metrics,
@@ -60,6 +61,12 @@ class _EngineCollector:
         yield counter("vllm:prefix_cache_queries", "Prefix cache queries, in tokens.", s.prefix_cache_queries_total)
         yield counter("vllm:prefix_cache_hits", "Prefix cache hits, in tokens.", s.prefix_cache_hits_total)
         yield counter("pagefleet:engine_steps", "Engine steps run.", s.steps_total)
+        if getattr(s, "max_loras", 0):
+            # vLLM's shape, which LoRA-aware routers read: the adapters in the labels, the scrape time as value
+            g = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on lora requests.",
+                                  labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
+            g.add_metric([str(s.max_loras), ",".join(s.running_loras), ",".join(s.waiting_loras)], time.time())
+            yield g
 
 
 class ServerMetrics:
