@@ -157,9 +157,17 @@ def test_server_serves_loads_and_unloads_adapters(tiny_models, adapters, tmp_pat
         models = {m.id: m for m in client.models.list().data}
         assert set(models) == {"smol", "a"} and models["a"].model_extra["parent"] == "smol"
         assert complete("a") == want["a"] and complete("smol") == want[None]
+        # hot swap under load: b is loaded, used and unloaded while a request on a streams
+        long_a = offline.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True), lora_name="a")[0].outputs[0].text
+        stream = client.completions.create(model="a", prompt=PROMPTS[0], max_tokens=120, temperature=0.0, stream=True,
+                                           extra_body={"ignore_eos": True})
+        chunks = iter(stream)
+        streamed = next(chunks).choices[0].text
         r = httpx.post(server.url + "/v1/load_lora_adapter", json={"lora_name": "b", "lora_path": str(adapters["b"])}, headers=AUTH)
         assert r.status_code == 200, r.text
         assert complete("b") == want["b"]
+        streamed += "".join(c.choices[0].text for c in chunks if c.choices)
+        assert streamed == long_a  # the stream on a went on untouched through b's load and use
         bad = httpx.post(server.url + "/v1/load_lora_adapter", json={"lora_name": "c", "lora_path": str(tmp_path)}, headers=AUTH)
         assert bad.status_code == 400 and "adapter_config.json is missing" in bad.json()["error"]["message"]
         assert httpx.post(server.url + "/v1/load_lora_adapter", json={"lora_name": "c", "lora_path": "x"}).status_code == 401
