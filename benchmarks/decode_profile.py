@@ -21,7 +21,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from gpu_bench import ROOT, engine, fake_prefilled  # noqa: E402
+from gpu_bench import ROOT, copy_bandwidth, engine, fake_prefilled  # noqa: E402
 from make_checkpoint import make_checkpoint  # noqa: E402
 
 OUT = sys.argv[1] if len(sys.argv) > 1 else "."
@@ -137,7 +137,7 @@ def attention():
     from pagefleet.kernels.attention import decode_config, paged_decode_attention
 
     H, Hkv, D, bs, layers = 32, 8, 128, 16, 32
-    copy_bw = ceiling_copy()
+    copy_bw = copy_bandwidth(1 << 30)
     rows = []
     for B in (1, 8, 32):
         for ctx in (640, 1024, 4096):
@@ -183,18 +183,6 @@ def attention():
             torch.cuda.empty_cache()
     RESULTS["attention"] = rows
     save()
-
-
-def ceiling_copy() -> float:
-    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    y = torch.empty_like(x)
-    y.copy_(x)
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(10):
-        y.copy_(x)
-    torch.cuda.synchronize()
-    return 2 * x.numel() * 10 / (time.perf_counter() - t)
 
 
 def main():

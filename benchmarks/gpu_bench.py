@@ -72,9 +72,9 @@ def section(name):
     return wrap
 
 
-@section("ceilings")
-def ceilings():
-    x = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
+def copy_bandwidth(nbytes: int = 2 << 30) -> float:
+    """The device-to-device copy rate, bytes read + written per second: the floors' denominator."""
+    x = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     y = torch.empty_like(x)
     for _ in range(3):
         y.copy_(x)
@@ -83,7 +83,12 @@ def ceilings():
     for _ in range(10):
         y.copy_(x)
     torch.cuda.synchronize()
-    bw = 2 * x.numel() * 10 / (time.perf_counter() - t)
+    return 2 * nbytes * 10 / (time.perf_counter() - t)
+
+
+@section("ceilings")
+def ceilings():
+    bw = copy_bandwidth()
     a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
     for _ in range(3):
         a @ a
@@ -95,7 +100,7 @@ def ceilings():
     tflops = 2 * 8192**3 * 10 / (time.perf_counter() - t) / 1e12
     RESULTS["ceilings"] = {"copy_bytes_per_s": bw, "bf16_tflops": tflops}
     print(f"copy {bw / 1e12:.2f} TB/s, bf16 matmul {tflops:.0f} TFLOP/s")
-    del x, y, a
+    del a
     torch.cuda.empty_cache()
 
 
