@@ -153,22 +153,7 @@ class ModelRunner:
             tokens_d = torch.from_numpy(tokens).to(dev, non_blocking=True)
             # The scheduler puts one-token entries first; attention runs them through the decode kernel.
             num_decodes = 0 if is_decode else next((i for i, k in enumerate(batch.num_new_tokens) if k != 1), n)
-            block_tables = torch.from_numpy(tables).to(dev, non_blocking=True)
-            seq_lens_d, cu_d, prefill_lens_d, prefill_cu_d = self._upload_int32(
-                seq_lens, cu, seq_lens[num_decodes:], cu[num_decodes:] - cu[num_decodes])
-            meta = AttentionMetadata(
-                slot_mapping=tokens_d[2],
-                block_tables=block_tables,
-                seq_lens=seq_lens_d,
-                cu_seqlens_q=cu_d,
-                max_seq_len=int(seq_lens.max()),
-                is_decode=is_decode,
-                num_decodes=num_decodes,
-                prefill_block_tables=block_tables[num_decodes:],  # rows of 4k int32: 16-byte aligned
-                prefill_seq_lens=prefill_lens_d,
-                prefill_cu_seqlens_q=prefill_cu_d,
-            )
-            set_attention_metadata(meta)
+            set_attention_metadata(self._eager_metadata(tokens_d[2], tables, seq_lens, cu, num_decodes, is_decode))
             set_lora_mapping(lora_mapping)
             if feed is not None:
                 self._feed_device_tokens(tokens_d[0], feed)
@@ -179,6 +164,24 @@ class ModelRunner:
             return None
         rows = hidden if len(logits_rows) == hidden.shape[0] else hidden[torch.tensor(logits_rows, dtype=torch.long, device=self.device)]
         return self.model.compute_logits(rows)
+
+    def _eager_metadata(self, slot_mapping, tables, seq_lens, cu, num_decodes: int, is_decode: bool) -> AttentionMetadata:
+        """The attention context of an eager step; the first `num_decodes` sequences have one token each."""
+        block_tables = torch.from_numpy(tables).to(self.device, non_blocking=True)
+        seq_lens_d, cu_d, prefill_lens_d, prefill_cu_d = self._upload_int32(
+            seq_lens, cu, seq_lens[num_decodes:], cu[num_decodes:] - cu[num_decodes])
+        return AttentionMetadata(
+            slot_mapping=slot_mapping,
+            block_tables=block_tables,
+            seq_lens=seq_lens_d,
+            cu_seqlens_q=cu_d,
+            max_seq_len=int(seq_lens.max()),
+            is_decode=is_decode,
+            num_decodes=num_decodes,
+            prefill_block_tables=block_tables[num_decodes:],  # rows of 4k int32: 16-byte aligned
+            prefill_seq_lens=prefill_lens_d,
+            prefill_cu_seqlens_q=prefill_cu_d,
+        )
 
     def _upload_int32(self, *arrays: np.ndarray) -> list[torch.Tensor]:
         """Several small int32 arrays in one host-to-device copy, each starting 16-byte aligned: Triton
@@ -222,16 +225,8 @@ class ModelRunner:
             n, total = len(q_lens), sum(q_lens)
             seq_lens = np.array([16] * num_decodes + chunks, dtype=np.int32)
             cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
-            block_tables = torch.zeros(n, 4, dtype=torch.int32, device=dev)
-            seq_lens_d, cu_d, prefill_lens_d, prefill_cu_d = self._upload_int32(
-                seq_lens, cu, seq_lens[num_decodes:], cu[num_decodes:] - cu[num_decodes])
-            meta = AttentionMetadata(
-                slot_mapping=torch.full((total,), -1, dtype=torch.long, device=dev),  # writes nothing
-                block_tables=block_tables, seq_lens=seq_lens_d, cu_seqlens_q=cu_d, max_seq_len=16, is_decode=False,
-                num_decodes=num_decodes, prefill_block_tables=block_tables[num_decodes:], prefill_seq_lens=prefill_lens_d,
-                prefill_cu_seqlens_q=prefill_cu_d,
-            )
-            set_attention_metadata(meta)
+            slots = torch.full((total,), -1, dtype=torch.long, device=dev)  # writes nothing
+            set_attention_metadata(self._eager_metadata(slots, np.zeros((n, 4), dtype=np.int32), seq_lens, cu, num_decodes, False))
             hidden = self.model(torch.zeros(total, dtype=torch.long, device=dev), torch.zeros(total, dtype=torch.long, device=dev))
             self.model.compute_logits(hidden[:1])
             set_attention_metadata(None)
