@@ -51,14 +51,14 @@ def adapters(tiny_models, tmp_path_factory):
     root = tmp_path_factory.mktemp("loras")
     base = tiny_models["llama"]
     return {"a": make_adapter(base, root / "a", 1), "b": make_adapter(base, root / "b", 2, rank=8, targets=("q_proj", "v_proj", "down_proj")),
-            "qwen2": make_adapter(tiny_models["qwen2"], root / "qwen2", 3)}
+            "qwen2": make_adapter(tiny_models["qwen2"], root / "qwen2", 3), "qwen3": make_adapter(tiny_models["qwen3"], root / "qwen3", 4)}
 
 
 def tokens(outs):
     return [o.outputs[0].token_ids for o in outs]
 
 
-@pytest.mark.parametrize("arch,adapter", [("llama", "a"), ("llama", "b"), ("qwen2", "qwen2")])
+@pytest.mark.parametrize("arch,adapter", [("llama", "a"), ("llama", "b"), ("qwen2", "qwen2"), ("qwen3", "qwen3")])
 def test_adapter_outputs_match_peft(tiny_models, adapters, arch, adapter):
     llm = LLM(str(tiny_models[arch]), max_model_len=256, enable_lora=True, max_lora_rank=8)
     llm.load_lora("x", str(adapters[adapter]))
@@ -86,6 +86,24 @@ def test_base_and_two_adapters_share_every_step(tiny_models, adapters):
     assert mixes, "the nine requests never ran in one step"
     for name in ("a", "b", None):
         assert [finals[f"{name}-{i}"] for i in range(3)] == solo[name]
+
+
+def test_adapter_samples_share_the_prompt_and_survive_preemption(tiny_models, adapters):
+    """n = 3 samples of an adapter request share its prompt blocks (copy-on-write) and each equals a single
+    request with its seed; a KV budget too small for all of them preempts and recomputes, same outputs."""
+    sampled = SamplingParams(temperature=0.9, seed=7, max_tokens=20, ignore_eos=True)
+    roomy = LLM(str(tiny_models["llama"]), max_model_len=256, enable_lora=True, max_lora_rank=8)
+    roomy.load_lora("a", str(adapters["a"]))
+    (fanned,) = roomy.generate([PROMPTS[2]], SamplingParams(temperature=0.9, seed=7, max_tokens=20, ignore_eos=True, n=3), lora_name="a")
+    singles = [roomy.generate([PROMPTS[2]], SamplingParams(temperature=0.9, seed=7 + i, max_tokens=20, ignore_eos=True), lora_name="a")[0]
+               for i in range(3)]
+    assert [o.token_ids for o in fanned.outputs] == [s.outputs[0].token_ids for s in singles]
+    tight = LLM(str(tiny_models["llama"]), max_model_len=96, enable_lora=True, max_lora_rank=8, num_gpu_blocks_override=9)
+    tight.load_lora("a", str(adapters["a"]))
+    outs = tight.generate([PROMPTS[2]] * 3, [sampled] * 3, lora_name="a")
+    assert tight.engine.scheduler.num_preemptions > 0, "the budget was meant to force preemption"
+    want = roomy.generate([PROMPTS[2]], sampled, lora_name="a")[0].outputs[0].token_ids
+    assert all(o.outputs[0].token_ids == want for o in outs)
 
 
 def test_prefix_cache_keeps_adapters_apart(tiny_models, adapters):
