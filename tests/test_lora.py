@@ -216,3 +216,15 @@ def test_metrics_name_the_running_and_waiting_adapters_as_vllm_does(tiny_models,
     assert sample.labels == {"max_lora": "3", "running_lora_adapters": "a", "waiting_lora_adapters": "b"}
     plain = LLM(str(tiny_models["llama"]), max_model_len=256)
     assert "vllm:lora_requests_info" not in ServerMetrics("tiny", plain.engine.stats).render().decode()
+
+
+@pytest.mark.parametrize("flags", [["--lora-modules", "a=/x"], ["--enable-lora", "--lora-modules", "no-equals-sign"],
+                                   ["--enable-lora", "--lora-modules", "=/x"]])
+def test_serve_refuses_bad_lora_flags_before_loading_anything(tiny_models, tmp_path, flags):
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-m", "pagefleet", "serve", "--model", str(tiny_models["llama"]), *flags],
+                            capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert result.returncode == 2
+    assert "--lora-modules takes NAME=PATH pairs and needs --enable-lora" in result.stdout
