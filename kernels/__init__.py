@@ -11,7 +11,7 @@ from . import reference
 from .reference import rope_cos_sin_cache  # noqa: F401
 
 __all__ = ["triton_available", "reference", "rope_cos_sin_cache", "write_kv_cache", "paged_decode_attention",
-           "paged_prefill_attention", "rms_norm", "fused_add_rms_norm", "apply_rope", "silu_and_mul",
+           "paged_prefill_attention", "rms_norm", "fused_add_rms_norm", "apply_rope", "rope_and_write_kv", "silu_and_mul",
            "quantize_fp8_per_token", "fp8_linear"]
 
 
@@ -48,6 +48,7 @@ paged_prefill_attention = _dispatch("attention", "paged_prefill_attention")
 rms_norm = _dispatch("norm", "rms_norm")
 fused_add_rms_norm = _dispatch("norm", "fused_add_rms_norm")
 apply_rope = _dispatch("rope", "apply_rope")
+rope_and_write_kv = _dispatch("rope", "rope_and_write_kv")
 silu_and_mul = _dispatch("activation", "silu_and_mul")
 quantize_fp8_per_token = _dispatch("fp8", "quantize_fp8_per_token")
 fp8_linear = _dispatch("fp8", "fp8_linear")

@@ -166,15 +166,25 @@ def apply_rope(q, k, positions, cos_sin_cache, inplace=False):
     return q_rot, k_rot
 
 
+def rope_and_write_kv(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping):
+    """apply_rope, then the rotated k and v written to the paged cache; -> rotated q."""
+    q_rot, k_rot = apply_rope(q, k, positions, cos_sin_cache)
+    write_kv_cache(k_rot, v, k_cache, v_cache, slot_mapping)
+    return q_rot
+
+
 # ---------------------------------------------------------------- skinny matmul (decode linears)
 
 
-def skinny_matmul(x, weight, bias=None):
-    """x [M, K] @ weight [N, K].T (+ bias [N]) -> [M, N] in x.dtype: fp32 math, rounded once."""
+def skinny_matmul(x, weight, bias=None, gated=False):
+    """x [M, K] @ weight [N, K].T (+ bias [N]) -> [M, N] in x.dtype: fp32 math, rounded once.
+
+    gated=True: weight packs [gate; up] and the result is silu_and_mul of the product, [M, N // 2].
+    """
     y = x.float() @ weight.float().t()
     if bias is not None:
         y = y + bias.float()
-    return y.to(x.dtype)
+    return silu_and_mul(y.to(x.dtype)) if gated else y.to(x.dtype)
 
 
 # ---------------------------------------------------------------- FP8

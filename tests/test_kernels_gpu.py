@@ -105,3 +105,41 @@ def test_skinny_matmul_bf16(shape, M):
     gemv.skinny_matmul(x, w, bias, out=out)
     close(out, ref.skinny_matmul(x.float(), w.float(), bias.float()), BF)
     close(gemv.skinny_matmul(x, w, split_k=2), ref.skinny_matmul(x.float(), w.float()), BF)
+
+
+@pytest.mark.parametrize("M", [1, 4, 16])
+def test_gated_skinny_matmul_bf16(M):
+    """Llama-3.1-8B's gate_up with the activation fused: against the reference, and the same bits as
+    the GEMV followed by the silu-and-mul kernel."""
+    from pagefleet.kernels import activation, gemv
+
+    N, K = LLAMA_8B_LINEARS["gate_up"]
+    x = torch.randn(M, K, device="cuda", dtype=BF)
+    w = (torch.randn(N, K, device="cuda") / K**0.5).to(BF)
+    out = torch.full((M, N // 2), float("nan"), device="cuda", dtype=BF)
+    gemv.skinny_matmul(x, w, out=out, gated=True)
+    close(out, ref.skinny_matmul(x.float(), w.float(), gated=True), BF)
+    assert torch.equal(out, activation.silu_and_mul(gemv.skinny_matmul(x, w)))
+
+
+def test_rope_and_write_kv_bf16():
+    """8B shape (32 q heads, 8 KV heads, 128 dims, llama3 scaling), k/v as views of a fused qkv, some
+    padding slots: the same bits as apply_rope and then write_kv_cache."""
+    from pagefleet.kernels import kv_cache, rope
+
+    T = 37
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+    cache = ref.rope_cos_sin_cache(128, 8192, 500000.0, scaling, torch.float32, "cuda")
+    qkv = torch.randn(T, 48 * 128, device="cuda", dtype=BF)
+    q, k, v = qkv[:, :4096].view(T, 32, 128), qkv[:, 4096:5120].view(T, 8, 128), qkv[:, 5120:].view(T, 8, 128)
+    pos = torch.randint(0, 8192, (T,), device="cuda")
+    slots = torch.randperm(64 * 16, device="cuda")[:T]
+    slots[::5] = -1
+    kc, vc = (torch.randn(64, 16, 8, 128, device="cuda", dtype=BF) for _ in range(2))
+    kc2, vc2 = kc.clone(), vc.clone()
+    q_rot = rope.rope_and_write_kv(q, k, v, pos, cache, kc, vc, slots)
+    q_two, k_two = rope.apply_rope(q, k, pos, cache)
+    kv_cache.write_kv_cache(k_two, v, kc2, vc2, slots)
+    assert torch.equal(q_rot, q_two) and torch.equal(kc, kc2) and torch.equal(vc, vc2)
+

@@ -107,6 +107,29 @@ def test_triton_rope(dtype, rot):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rot", [32, 16])  # full and partial rotary
+def test_triton_rope_and_write_kv(dtype, rot):
+    """The fused form: rotated q returned, rotated k and v in their slots, padding slots untouched; the
+    same bits as apply_rope followed by write_kv_cache."""
+    gen = torch.Generator().manual_seed(14)
+    cache = ref.rope_cos_sin_cache(rot, 256, 10000.0)
+    qkv = torch.randn(5, 8 * 32, generator=gen).to(dtype)  # q 4 heads, k and v 2 heads each, one fused row
+    q, k, v = qkv[:, :128].view(5, 4, 32), qkv[:, 128:192].view(5, 2, 32), qkv[:, 192:].view(5, 2, 32)
+    pos = torch.randint(0, 256, (5,), generator=gen)
+    slots = torch.tensor([17, -1, 3, 40, -1])
+    caches = [torch.randn(4, 16, 2, 32, generator=gen).to(dtype) for _ in range(2)]
+    expected, two_step = [c.clone() for c in caches], [c.clone() for c in caches]
+    q_rot = TK["rope"].rope_and_write_kv(q, k, v, pos, cache, caches[0], caches[1], slots)
+    q_exp = ref.rope_and_write_kv(q, k, v, pos, cache, expected[0], expected[1], slots)
+    close(q_rot, q_exp, dtype)
+    close(caches[0], expected[0], dtype)
+    assert torch.equal(caches[1], expected[1])  # values are copied, not computed
+    q_two, k_two = TK["rope"].apply_rope(q, k, pos, cache)
+    TK["kv_cache"].write_kv_cache(k_two, v, two_step[0], two_step[1], slots)
+    assert torch.equal(q_rot, q_two) and torch.equal(caches[0], two_step[0])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_triton_silu_and_mul(dtype):
     x = torch.randn(5, 2 * 40, generator=torch.Generator().manual_seed(7)).to(dtype)
     close(TK["activation"].silu_and_mul(x), ref.silu_and_mul(x), dtype)
@@ -157,6 +180,25 @@ def test_triton_gemv(dtype, M, split_k):
     got = TK["gemv"].skinny_matmul(x, w, block_n=16, block_k=32, split_k=split_k)
     assert got.shape == (M, 70) and got.dtype == dtype
     close(got, ref.skinny_matmul(x.float(), w.float()), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("M", [1, 5])
+@pytest.mark.parametrize("K", [100, 128])  # a K tail, and whole tiles only
+def test_triton_gemv_gated(dtype, M, K):
+    """gated=True: silu(x @ gate.T) * (x @ up.T) from a packed [gate; up] weight, bias included; the
+    same bits as the unfused GEMV followed by the silu-and-mul kernel."""
+    gen = torch.Generator().manual_seed(13)
+    x = torch.randn(M, K, generator=gen).to(dtype)
+    w = torch.randn(2 * 40, K, generator=gen).to(dtype)
+    bias = torch.randn(2 * 40, generator=gen).to(dtype)
+    out = torch.full((M, 40), float("nan"), dtype=dtype)
+    TK["gemv"].skinny_matmul(x, w, bias, out=out, block_n=16, block_k=32, gated=True)
+    close(out, ref.skinny_matmul(x.float(), w.float(), bias.float(), gated=True), dtype)
+    unfused = TK["activation"].silu_and_mul(TK["gemv"].skinny_matmul(x, w, bias, block_n=16, block_k=32))
+    assert torch.equal(out, unfused)
+    with pytest.raises(ValueError):
+        TK["gemv"].skinny_matmul(x, w, gated=True, split_k=2)
 
 
 def test_triton_gemv_strided_and_defaults():

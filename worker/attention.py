@@ -1,4 +1,4 @@
-"""Paged attention as a layer: write this step's K/V into the cache, then attend through the block tables.
+"""Paged attention as a layer: rotate q/k and write this step's K/V into the cache, then attend through the block tables.
 
 The step's metadata (slot mapping, block tables, sequence lengths, query offsets) is set once per
 forward by the model runner; every layer reads the same context, as nano-vllm does.
@@ -50,11 +50,13 @@ class PagedAttention(nn.Module):
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q [T, H, D], k/v [T, Hkv, D] -> [T, H * D]."""
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                cos_sin_cache: torch.Tensor) -> torch.Tensor:
+        """q [T, H, D], k/v [T, Hkv, D], before RoPE -> [T, H * D]."""
         meta = get_attention_metadata()
         if self.k_cache.numel():  # the profiling run has no cache
-            ops.write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+            # RoPE and the cache write are one kernel: the rotated keys go straight to their slots
+            q = ops.rope_and_write_kv(q, k, v, positions, cos_sin_cache, self.k_cache, self.v_cache, meta.slot_mapping)
             if meta.is_decode:
                 out = ops.paged_decode_attention(q, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens, self.scale, meta.max_seq_len, eager_step=True)
             elif meta.num_decodes:
@@ -64,6 +66,7 @@ class PagedAttention(nn.Module):
                     q, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q, self.scale, meta.max_seq_len
                 )
         else:
+            q, k = ops.apply_rope(q, k, positions, cos_sin_cache)
             out = _attend_without_cache(q, k, v, meta, self.scale)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)
 

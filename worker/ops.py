@@ -26,13 +26,23 @@ def use_triton(enabled: bool) -> None:
 SKINNY_MAX_ROWS = 16  # up to this many tokens a linear is a weight read: our GEMV beat cuBLAS there (docs/benchmarks-kernels.md)
 
 
-def linear(x, weight, bias=None):
+def _skinny(x, weight) -> bool:
     # Only inside a CUDA graph capture: a Triton launch costs the host far more than a cuBLAS call
     # (--enforce-eager at batch 1 went from ~14 to ~49 ms a step), and a graph replays it for free.
-    if (_triton and x.shape[0] <= SKINNY_MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
-            and torch.cuda.is_current_stream_capturing()):
-        return _triton["gemv"].skinny_matmul(x, weight, bias)
-    return F.linear(x, weight, bias)
+    return bool(_triton and x.shape[0] <= SKINNY_MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16)
+                and weight.dtype == x.dtype and torch.cuda.is_current_stream_capturing())
+
+
+def linear(x, weight, bias=None):
+    return _triton["gemv"].skinny_matmul(x, weight, bias) if _skinny(x, weight) else F.linear(x, weight, bias)
+
+
+def linear_silu_and_mul(x, weight, bias=None):
+    """The gated MLP's first half: silu_and_mul(linear(x, [gate; up])). In a decode graph one GEMV does
+    both (the activation in its epilogue); elsewhere a GEMM, then the activation kernel."""
+    if _skinny(x, weight):
+        return _triton["gemv"].skinny_matmul(x, weight, bias, gated=True)
+    return silu_and_mul(F.linear(x, weight, bias))
 
 
 def rms_norm(x, weight, eps):
@@ -51,10 +61,10 @@ def apply_rope(q, k, positions, cos_sin_cache):
     return _triton["rope"].apply_rope(q, k, positions, cos_sin_cache) if _triton else ref.apply_rope(q, k, positions, cos_sin_cache)
 
 
-def write_kv_cache(k, v, k_cache, v_cache, slot_mapping):
-    if _triton:
-        return _triton["kv_cache"].write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
-    return ref.write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+def rope_and_write_kv(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping):
+    """Rotate q and k and write k, v into the paged cache (one kernel on CUDA); -> rotated q."""
+    impl = _triton["rope"] if _triton else ref
+    return impl.rope_and_write_kv(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping)
 
 
 def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len, out=None, eager_step=False):
@@ -74,3 +84,4 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seql
     return impl.paged_prefill_attention(
         q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale=scale, max_seq_len=max_seq_len, out=out
     )
+

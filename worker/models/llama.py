@@ -57,8 +57,7 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = ops.apply_rope(q, k, positions, cos_sin_cache)
-        return self.o_proj(self.attn(q, k, v))
+        return self.o_proj(self.attn(q, k, v, positions, cos_sin_cache))
 
 
 class MLP(nn.Module):
@@ -68,7 +67,10 @@ class MLP(nn.Module):
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj
+        if isinstance(gate_up, Linear) and gate_up.lora is None:  # not FP8, no adapter: the activation can fuse
+            return self.down_proj(ops.linear_silu_and_mul(x, gate_up.weight, gate_up.bias))
+        return self.down_proj(ops.silu_and_mul(gate_up(x)))
 
 
 class DecoderLayer(nn.Module):
