@@ -20,3 +20,15 @@ def tiny_models(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("tiny-models")
     return {arch: tiny_model(arch, root / arch) for arch in TINY_ARCHS}
+
+
+@pytest.fixture(autouse=True)
+def release_gpu_memory():
+    """On a GPU every engine takes its gpu_memory_fraction of the card, and engines hold reference cycles:
+    collect them after each test, or the next test's engine finds the card already spoken for."""
+    yield
+    if "torch" in sys.modules and sys.modules["torch"].cuda.is_available():
+        import gc
+
+        gc.collect()
+        sys.modules["torch"].cuda.empty_cache()
