@@ -66,6 +66,8 @@ def _skinny_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, k_per_split, stride
     k_full = k_start + (k_stop - k_start) // BLOCK_K * BLOCK_K
     acc = tl.zeros([M_PAD, BLOCK_N], dtype=tl.float32)
     n_mask = offs_n < N
+    # Two loops, not one with an optional second accumulator: the plain GEMV keeps exactly the loop that
+    # was measured (a restructured one, for the PDL experiment in docs/benchmarks.md, ran slower).
     if GATED:
         up_rows = w_rows + N * stride_wn
         acc_up = tl.zeros([M_PAD, BLOCK_N], dtype=tl.float32)
@@ -76,19 +78,18 @@ def _skinny_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, k_per_split, stride
             acc = _tile(acc, x_ptr, w_ptr, x_rows, m_mask, w_rows, k_full, k_stop, BLOCK_K, True, UPCAST, PRECISION)
             acc_up = _tile(acc_up, x_ptr, w_ptr, x_rows, m_mask, up_rows, k_full, k_stop, BLOCK_K, True, UPCAST,
                            PRECISION)
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-            acc_up += tl.load(bias_ptr + N + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-        # as the unfused path: both products rounded to the model dtype, then silu(gate) * up in fp32
-        gate = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
-        acc = gate / (1.0 + tl.exp(-gate)) * acc_up.to(out_ptr.dtype.element_ty).to(tl.float32)
     else:
         for k0 in range(k_start, k_full, BLOCK_K):
             acc = _tile(acc, x_ptr, w_ptr, x_rows, m_mask, w_rows, k0, k_stop, BLOCK_K, False, UPCAST, PRECISION)
         if k_full < k_stop:
             acc = _tile(acc, x_ptr, w_ptr, x_rows, m_mask, w_rows, k_full, k_stop, BLOCK_K, True, UPCAST, PRECISION)
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        if GATED:
+            acc_up += tl.load(bias_ptr + N + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    if GATED:  # as the unfused path: both products rounded to the model dtype, then silu(gate) * up in fp32
+        gate = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
+        acc = gate / (1.0 + tl.exp(-gate)) * acc_up.to(out_ptr.dtype.element_ty).to(tl.float32)
     # With split-K, out is the fp32 workspace [split_k, M, N] (stride_om = N) and this split writes its slab.
     rows = pid_k * M + offs_m
     tl.store(out_ptr + rows[:, None] * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
