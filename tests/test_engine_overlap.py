@@ -99,6 +99,7 @@ async def test_abort_from_outside_ends_the_stream_and_frees_blocks(tiny_models):
             if engine.load()["kv_cache_usage"] == 0.0 and engine.load()["running"] == 0:
                 break
             await asyncio.sleep(0.02)
-        assert engine.load() == {"waiting": 0, "running": 0, "kv_cache_usage": 0.0, "max_num_seqs": 256}
+        assert engine.load() == {"waiting": 0, "running": 0, "kv_cache_usage": 0.0, "max_num_seqs": 256,
+                                 "lora_adapters": {}}
     finally:
         engine.shutdown()

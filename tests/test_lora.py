@@ -187,6 +187,8 @@ def test_server_serves_loads_and_unloads_adapters(tiny_models, adapters, tmp_pat
         r = httpx.post(server.url + "/v1/load_lora_adapter", json={"lora_name": "b", "lora_path": str(adapters["b"])}, headers=AUTH)
         assert r.status_code == 200, r.text
         assert complete("b") == want["b"]
+        # the cheap probe names each loaded adapter with its folder (the gateway and the operator read it)
+        assert server.load()["lora_adapters"] == {"a": str(adapters["a"]), "b": str(adapters["b"])}
         streamed += "".join(c.choices[0].text for c in chunks if c.choices)
         assert streamed == long_a  # the stream on a went on untouched through b's load and use
         bad = httpx.post(server.url + "/v1/load_lora_adapter", json={"lora_name": "c", "lora_path": str(tmp_path)}, headers=AUTH)
@@ -195,6 +197,7 @@ def test_server_serves_loads_and_unloads_adapters(tiny_models, adapters, tmp_pat
         assert httpx.post(server.url + "/v1/unload_lora_adapter", json={"lora_name": "b"}, headers=AUTH).status_code == 200
         with pytest.raises(openai.NotFoundError):
             complete("b")
+        assert server.load()["lora_adapters"] == {"a": str(adapters["a"])}
         gone = httpx.post(server.url + "/v1/unload_lora_adapter", json={"lora_name": "b"}, headers=AUTH)
         assert gone.status_code == 404 and set(gone.json()["error"]) == {"message", "type", "param", "code"}
         assert complete("a") == want["a"]  # the other adapter never moved

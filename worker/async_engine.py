@@ -169,6 +169,9 @@ class AsyncLLMEngine:
             "running": s.num_running,
             "kv_cache_usage": round(s.kv_cache_usage, 4),
             "max_num_seqs": self.max_num_seqs,
+            # name -> folder: the gateway routes an adapter's requests to the workers holding it, and the
+            # operator loads and unloads adapters to match spec.lora (a copy: the loop thread may change it)
+            "lora_adapters": self.engine.lora_paths(),
         }
 
     def stats(self) -> EngineStats:

@@ -136,6 +136,10 @@ class LLMEngine:
     def lora_names(self) -> list[str]:
         return self.runner.lora.names if self.runner.lora is not None else []
 
+    def lora_paths(self) -> dict[str, str]:
+        """Loaded adapter -> the folder it was loaded from."""
+        return dict(self.runner.lora.path_of) if self.runner.lora is not None else {}
+
     def load_lora(self, name: str, path: str) -> None:
         if self.runner.lora is None:
             raise ValueError("LoRA adapters are off: start the engine with enable_lora (--enable-lora)")

@@ -79,6 +79,7 @@ class LoRAManager:
     def __init__(self, model, max_loras: int, max_rank: int, dtype, device):
         self.max_loras, self.max_rank, self.device = max_loras, max_rank, device
         self.slot_of: dict[str, int] = {}
+        self.path_of: dict[str, str] = {}  # as given to load(): what /load reports, for the operator's sync
         self.id_of: dict[str, int] = {}  # a fresh id per load: a reloaded name never meets its old cache
         self.slot_of_id: dict[int, int] = {}
         self._ids = itertools.count(1)
@@ -117,12 +118,14 @@ class LoRAManager:
             self.layers[layer][module].write(slot, shard, a.to(self.device), (b * scale).to(self.device))
         lora_id = next(self._ids)
         self.slot_of[name], self.id_of[name], self.slot_of_id[lora_id] = slot, lora_id, slot
+        self.path_of[name] = path
         return lora_id
 
     def unload(self, name: str) -> None:
         if name not in self.slot_of:
             raise ValueError(f"no LoRA adapter named {name!r} is loaded")
         slot = self.slot_of.pop(name)
+        del self.path_of[name]
         del self.slot_of_id[self.id_of.pop(name)]
         self._clear(slot)
 
