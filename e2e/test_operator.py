@@ -412,25 +412,29 @@ def test_deleting_removes_every_child_and_process(cluster, namespace, operator):
 
 # ---- LoRA adapters from spec.lora -----------------------------------------------------------------
 
-def test_lora_adapters_are_served_by_name(cluster, namespace, operator, bundled_model, tmp_path):
-    """A PEFT adapter for the bundled model on the node's disk, named in spec.lora: the worker serves it
-    as its own model, and the Service tells the gateway so."""
+def test_lora_adapters_are_served_by_name_and_swapped_without_restarts(cluster, namespace, operator, bundled_model,
+                                                                      tmp_path):
+    """PEFT adapters for the bundled model on the node's disk, named in spec.lora: the operator loads them
+    into the running worker, which serves each as its own model, and the Service tells the gateway so.
+    Editing the list later loads and unloads adapters in the same pod: no rollout, no restart."""
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    torch.manual_seed(0)
     base = AutoModelForCausalLM.from_pretrained(bundled_model, dtype=torch.float32)
-    peft_model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"],
-                                                 init_lora_weights=False))
-    with torch.no_grad():
-        for name, p in peft_model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.05)
-    peft_model.save_pretrained(tmp_path / "adapters" / "terse")
+    for seed, scale, name in ((0, 0.05, "terse"), (1, 0.1, "chatty")):
+        torch.manual_seed(seed)
+        peft_model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"],
+                                                     init_lora_weights=False))
+        with torch.no_grad():
+            for pname, p in peft_model.named_parameters():
+                if "lora_B" in pname:
+                    p.normal_(0, scale)
+        peft_model.save_pretrained(tmp_path / "adapters" / name)
+        base = peft_model.unload()  # the plain model again, for the next adapter
     served = f"smol-lora-{uuid.uuid4().hex[:4]}"
-    body = inference_service("lora", bundled_model, served, lora={"hostPath": {"path": str(tmp_path / "adapters")},
-                                                                  "adapters": [{"name": "terse", "path": "terse"}]})
+    source = {"hostPath": {"path": str(tmp_path / "adapters")}}
+    body = inference_service("lora", bundled_model, served, lora={**source, "adapters": [{"name": "terse", "path": "terse"}]})
     assert apply(cluster, namespace, body).returncode == 0
     try:
         obj = wait_ready(cluster, namespace, "lora", operator)
@@ -440,7 +444,17 @@ def test_lora_adapters_are_served_by_name(cluster, namespace, operator, bundled_
         from openai import OpenAI
 
         client = OpenAI(base_url=f"{endpoint}/v1", api_key="unused", timeout=120, max_retries=0)
-        assert sorted(m.id for m in client.models.list().data) == sorted([served, "terse"])
+
+        def models():
+            return sorted(m.id for m in client.models.list().data)
+
+        def lora_status():
+            return ((get_json(cluster, "infsvc", "lora", "-n", namespace) or {}).get("status") or {}).get("lora")
+
+        wait_for("the operator to load terse", lambda: models() == sorted([served, "terse"]), 60,
+                 on_timeout=lambda: f"{lora_status()}\n{operator.log_tail()}")
+        wait_for("status.lora in sync", lambda: lora_status() == {"adapters": 1, "workersInSync": "1/1", "message": ""},
+                 30, on_timeout=lora_status)
 
         def ask(model):
             return client.completions.create(model=model, prompt="The capital of France is", max_tokens=12,
@@ -448,6 +462,30 @@ def test_lora_adapters_are_served_by_name(cluster, namespace, operator, bundled_
 
         base_text, adapted = ask(served), ask("terse")
         assert adapted and adapted != base_text, (base_text, adapted)  # the adapter is applied, not ignored
+
+        (pod,) = children(cluster, namespace, "lora")["pods"]
+        # swap: chatty in, terse out, in the running pod
+        kubectl(cluster, "patch", "infsvc", "lora", "-n", namespace, "--type=merge",
+                "-p", json.dumps({"spec": {"lora": {"adapters": [{"name": "chatty", "path": "chatty"}]}}}))
+        wait_for("the operator to swap terse for chatty", lambda: models() == sorted([served, "chatty"]), 60,
+                 on_timeout=lambda: f"{lora_status()}\n{operator.log_tail()}")
+        chatty = ask("chatty")
+        assert chatty and chatty not in (base_text, adapted), (base_text, adapted, chatty)
+        wait_for("status.lora in sync", lambda: lora_status() == {"adapters": 1, "workersInSync": "1/1", "message": ""},
+                 30, on_timeout=lora_status)
+        kids = children(cluster, namespace, "lora")
+        (same,) = kids["pods"]
+        assert same["metadata"]["uid"] == pod["metadata"]["uid"]  # no rollout
+        assert all(cs.get("restartCount", 0) == 0 for cs in same["status"].get("containerStatuses") or [])
+        assert len(kids["replicasets"]) == 1
+        assert kids["services"][0]["metadata"]["annotations"]["pagefleet.io/lora-adapters"] == "chatty"
+        # an adapter the worker cannot load: status.lora says which and why, the served ones stay served
+        kubectl(cluster, "patch", "infsvc", "lora", "-n", namespace, "--type=merge", "-p", json.dumps(
+            {"spec": {"lora": {"adapters": [{"name": "chatty", "path": "chatty"}, {"name": "nothing", "path": "nothing"}]}}}))
+        broken = wait_for("status.lora to report the bad adapter",
+                          lambda: (lora_status() or {}).get("message") and lora_status(), 30, on_timeout=lora_status)
+        assert broken["workersInSync"] == "0/1" and "nothing on " in broken["message"], broken
+        assert ask("chatty") == chatty
     finally:
         kubectl(cluster, "delete", "infsvc", "lora", "-n", namespace, "--wait=true", "--timeout=120s", check=False)
 

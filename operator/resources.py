@@ -133,16 +133,15 @@ def model_mount(model: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def lora_args(spec: Mapping[str, Any]) -> list[str]:
-    """The worker's LoRA flags: slots for the adapters, and the adapters to load at start-up."""
+    """The worker's LoRA flags: slots for the adapters. Not the adapters themselves: the list would be part
+    of the pod template, and every change to it would roll the pods. The sweep loads them (adapters.py)."""
     lora = spec.get("lora")
     if not lora:
         return []
-    adapters = lora["adapters"]
-    args = ["--enable-lora", "--max-loras", str(lora.get("maxLoras", max(DEFAULT_MAX_LORAS, len(adapters))))]
+    args = ["--enable-lora", "--max-loras", str(lora.get("maxLoras", max(DEFAULT_MAX_LORAS, len(lora["adapters"]))))]
     if lora.get("maxLoraRank") is not None:
         args += ["--max-lora-rank", str(lora["maxLoraRank"])]
-    root = lora_root(lora)
-    return args + ["--lora-modules", *(f"{a['name']}={root}/{a['path']}" for a in adapters)]
+    return args
 
 
 def lora_root(lora: Mapping[str, Any]) -> str:

@@ -1,4 +1,5 @@
-"""The operator's periodic pass over every InferenceService: status from its children, replicas from queue depth.
+"""The operator's periodic pass over every InferenceService: status from its children, LoRA adapters into the
+ready workers, replicas from queue depth.
 
 One loop for the whole operator (not a kopf timer per object): timers would put a finalizer on every
 InferenceService, and an operator that is down or uninstalled would then block their deletion. Here
@@ -13,7 +14,7 @@ import logging
 import time
 from typing import Any, Iterable, Mapping
 
-from pagefleet.operator import autoscaler, kube, resources, status
+from pagefleet.operator import adapters, autoscaler, kube, resources, status
 
 log = logging.getLogger("pagefleet.operator")
 
@@ -42,8 +43,9 @@ def _made_by_replicaset(pod: Mapping[str, Any]) -> bool:
 
 
 class Sweeper:
-    """Every `status_interval` seconds: refresh each InferenceService's status; every `autoscale_interval`,
-    probe the queues of those with spec.autoscaling and set their replicas."""
+    """Every `status_interval` seconds: refresh each InferenceService's status and bring its workers'
+    LoRA adapters in line with spec.lora; every `autoscale_interval`, probe the queues of those with
+    spec.autoscaling and set their replicas."""
 
     def __init__(self, client: kube.Kube, status_interval: float, autoscale_interval: float):
         self.client = client
@@ -66,6 +68,8 @@ class Sweeper:
                 continue
             try:
                 await asyncio.to_thread(self.refresh_status, body)
+                if body["spec"].get("lora"):
+                    await self.sync_lora(body)
                 if body["spec"].get("autoscaling") and self._autoscale_due(body["metadata"]["uid"]):
                     await self.autoscale(body)
             except kube.ApiError as err:
@@ -88,6 +92,21 @@ class Sweeper:
         if changes:
             meta = body["metadata"]
             self.client.patch_status(meta["namespace"], meta["name"], changes)
+
+    async def sync_lora(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        """Loads and unloads adapters in each ready worker to match spec.lora; reports status.lora."""
+        meta = body["metadata"]
+        name, namespace = meta["name"], meta["namespace"]
+        pods = await asyncio.to_thread(self.client.list, "v1", "Pod", namespace,
+                                       label_selector=resources.selector_string(name))
+        desired = adapters.desired_adapters(body["spec"])
+        results = await adapters.sync_workers(status.endpoints(pods, resources.WORKER_PORT), desired)
+        report = adapters.status_of(desired, results)
+        if (body.get("status") or {}).get("lora") != report:  # written (and logged) only when it changes
+            if report["message"]:
+                log.warning("%s/%s LoRA adapters: %s", namespace, name, report["message"])
+            await asyncio.to_thread(self.client.patch_status, namespace, name, {"lora": report})
+        return report
 
     async def autoscale(self, body: Mapping[str, Any]) -> autoscaler.Decision:
         """Probes each ready pod's /load and sets spec.replicas to keep the average queue near the target."""

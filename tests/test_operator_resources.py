@@ -4,7 +4,7 @@ import copy
 
 import pytest
 
-from pagefleet.operator import resources
+from pagefleet.operator import adapters, resources
 
 OWNER_UID = "0f9c1d2e-aaaa-bbbb-cccc-123456789abc"
 
@@ -208,7 +208,7 @@ def test_operator_imports_no_torch():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-def test_lora_adapters_mount_read_only_and_load_at_start():
+def test_lora_adapters_mount_read_only_and_stay_out_of_the_pod_template():
     body = inference_service(lora={"pvc": {"claimName": "adapters", "subPath": "team-a"}, "maxLoraRank": 32,
                                    "adapters": [{"name": "sql", "path": "sql-v3"}, {"name": "chat-de", "path": "de/v1"}]})
     dep = resources.deployment(body)
@@ -218,22 +218,24 @@ def test_lora_adapters_mount_read_only_and_load_at_start():
     assert mount == {"name": "lora", "mountPath": "/adapters", "readOnly": True, "subPath": "team-a"}
     args = container(dep)["args"]
     assert "--enable-lora" in args and flag(args, "--max-loras") == "4" and flag(args, "--max-lora-rank") == "32"
-    at = args.index("--lora-modules")
-    assert args[at + 1 : at + 3] == ["sql=/adapters/sql-v3", "chat-de=/adapters/de/v1"]
-    assert args[at + 3].startswith("--")  # the list ends before the next flag
+    assert "--lora-modules" not in args  # the sweep loads them: a list in the template would roll pods on every change
+    assert adapters.desired_adapters(body["spec"]) == {"sql": "/adapters/sql-v3", "chat-de": "/adapters/de/v1"}
+    other = inference_service(lora={**body["spec"]["lora"], "adapters": [{"name": "sql", "path": "sql-v4"}]})
+    assert resources.deployment(other)["spec"]["template"] == dep["spec"]["template"]
     annotations = resources.service(body)["metadata"]["annotations"]
     assert annotations == {"pagefleet.io/served-model-name": "smollm2", "pagefleet.io/lora-adapters": "sql,chat-de"}
 
 
 def test_lora_host_path_source_and_slots_for_every_listed_adapter():
-    adapters = [{"name": f"a{i}", "path": f"a{i}"} for i in range(6)]
-    dep = resources.deployment(inference_service(lora={"hostPath": {"path": "/mnt/nvme/adapters"}, "adapters": adapters}))
+    adapters_ = [{"name": f"a{i}", "path": f"a{i}"} for i in range(6)]
+    dep = resources.deployment(inference_service(lora={"hostPath": {"path": "/mnt/nvme/adapters"}, "adapters": adapters_}))
     pod = dep["spec"]["template"]["spec"]
     assert {"name": "lora", "hostPath": {"path": "/mnt/nvme/adapters", "type": "Directory"}} in pod["volumes"]
     mount = next(m for m in container(dep)["volumeMounts"] if m["name"] == "lora")
     assert mount == {"name": "lora", "mountPath": "/mnt/nvme/adapters", "readOnly": True}  # its node path, as the model
     assert flag(container(dep)["args"], "--max-loras") == "6"
-    assert flag(container(dep)["args"], "--lora-modules") == "a0=/mnt/nvme/adapters/a0"
+    trailing_slash = inference_service(lora={"hostPath": {"path": "/mnt/nvme/adapters/"}, "adapters": adapters_})
+    assert adapters.desired_adapters(trailing_slash["spec"])["a0"] == "/mnt/nvme/adapters/a0"
 
 
 def test_no_lora_section_renders_no_lora_flags_volume_or_annotation():
