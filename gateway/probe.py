@@ -92,6 +92,7 @@ class Prober:
             body = resp.json()
             waiting, running = int(body["waiting"]), int(body["running"])
             kv, max_seqs = float(body["kv_cache_usage"]), int(body.get("max_num_seqs", 0))
+            adapters = frozenset(body.get("lora_adapters") or ())
             if body.get("draining"):  # answers its probe but refuses new work with 503
                 raise RuntimeError("draining")
         except Exception as exc:  # connection refused, timeout, bad JSON, draining: all mean "not usable now"
@@ -112,7 +113,7 @@ class Prober:
         while sent and sent[0] <= issued:  # sent before the probe left: the worker's answer counts them
             sent.popleft()
         load.waiting, load.running, load.kv_cache_usage, load.max_num_seqs = waiting, running, kv, max_seqs
-        load.unreflected, load.up = len(sent), True
+        load.unreflected, load.up, load.lora_adapters = len(sent), True, adapters
         m = self.metrics
         m.waiting.labels(url).set(waiting)
         m.running.labels(url).set(running)

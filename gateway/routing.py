@@ -24,6 +24,7 @@ class WorkerLoad:
     up: bool | None = None
     # Requests we sent after the last probe was issued: the worker's queue does not show them yet.
     unreflected: int = 0
+    lora_adapters: frozenset[str] = frozenset()  # the LoRA adapters the worker holds now
 
     @property
     def queue_depth(self) -> int:
@@ -76,6 +77,14 @@ def scores(loads: list[WorkerLoad], policy: RoutingPolicy) -> dict[str, float]:
         busy = min((w.running + w.unreflected) / w.max_num_seqs, 1.0) if w.max_num_seqs > 0 else 0.0
         out[w.url] = policy.queue_weight * queue_term + policy.kv_weight * kv_term + policy.running_weight * (1.0 - busy)
     return out
+
+
+def holding(loads: list[WorkerLoad], model: str) -> list[WorkerLoad]:
+    """For a LoRA adapter's requests, the workers whose last probe lists the adapter. A base model, or an
+    adapter that no worker reports yet (its pods just started; the operator's next pass loads it),
+    keeps every worker."""
+    holders = [w for w in loads if model in w.lora_adapters]
+    return holders or loads
 
 
 def choose(loads: list[WorkerLoad], policy: RoutingPolicy, rng: random.Random | None = None) -> Decision:

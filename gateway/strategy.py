@@ -16,7 +16,7 @@ from litellm.types.router import CustomRoutingStrategyBase
 
 from pagefleet.gateway.config import WORKER_URL_KEY
 from pagefleet.gateway.probe import Prober
-from pagefleet.gateway.routing import RoutingPolicy, WorkerLoad, choose
+from pagefleet.gateway.routing import RoutingPolicy, WorkerLoad, choose, holding
 
 log = logging.getLogger("pagefleet.gateway.strategy")
 
@@ -37,11 +37,13 @@ class QueueDepthStrategy(CustomRoutingStrategyBase):
         self.policy = policy
         self.rng = rng or random.Random()
 
-    def pick(self, deployments: list[dict]) -> dict:
+    def pick(self, deployments: list[dict], model: str | None = None) -> dict:
         by_url = {}
         for d in deployments:
             by_url.setdefault(worker_url_of(d), d)
         loads = [self.prober.snapshot(url) or WorkerLoad(url=url) for url in by_url]
+        if model is not None:
+            loads = holding(loads, model)
         decision = choose(loads, self.policy, self.rng)
         self.prober.note_sent(decision.url)
         self.prober.metrics.decisions.labels(decision.url, decision.reason).inc()
@@ -57,7 +59,7 @@ class QueueDepthStrategy(CustomRoutingStrategyBase):
         )
         if isinstance(healthy, dict):  # the caller named one deployment
             return healthy
-        return self.pick(healthy)
+        return self.pick(healthy, model)
 
     def get_available_deployment(self, model, messages=None, input=None, specific_deployment=False,
                                  request_kwargs=None):
@@ -70,7 +72,7 @@ class QueueDepthStrategy(CustomRoutingStrategyBase):
             return healthy
         if not healthy:
             raise ValueError(f"no deployments for model {model!r}")
-        return self.pick(healthy)
+        return self.pick(healthy, model)
 
 
 class WorkerFailureListener(CustomLogger):

@@ -53,7 +53,10 @@ async def test_probe_records_the_worker_load(load_server):
         assert (w.up, w.waiting, w.running, w.kv_cache_usage, w.max_num_seqs) == (True, 2, 3, 0.25, 4)
         answer["waiting"] = 7
         await asyncio.sleep(0.2)
-        assert prober.snapshot(url).waiting == 7
+        assert prober.snapshot(url).waiting == 7 and prober.snapshot(url).lora_adapters == frozenset()
+        answer["lora_adapters"] = {"sql": "/adapters/sql", "de": "/adapters/de"}  # the worker's name -> folder
+        await asyncio.sleep(0.2)
+        assert prober.snapshot(url).lora_adapters == {"sql", "de"}
         text = prometheus_client.generate_latest(prober.metrics.registry).decode()
         assert f'pagefleet_gateway_worker_waiting{{worker="{url}"}} 7.0' in text
         assert f'pagefleet_gateway_worker_up{{worker="{url}"}} 1.0' in text

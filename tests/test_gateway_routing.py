@@ -5,7 +5,7 @@ from collections import Counter
 
 import pytest
 
-from pagefleet.gateway.routing import RoutingPolicy, WorkerLoad, choose, is_saturated, scores
+from pagefleet.gateway.routing import RoutingPolicy, WorkerLoad, choose, holding, is_saturated, scores
 
 POLICY = RoutingPolicy()
 
@@ -108,3 +108,12 @@ def test_bad_policy_is_refused(kwargs):
 def test_no_candidates_is_a_clear_error():
     with pytest.raises(ValueError, match="no candidate"):
         choose([], POLICY)
+
+
+def test_an_adapter_goes_only_to_workers_that_hold_it():
+    idle = load("a")  # the least loaded, but the operator has not loaded "sql" into it yet
+    busy = WorkerLoad(url="b", waiting=2, running=4, max_num_seqs=4, up=True, lora_adapters=frozenset({"sql"}))
+    assert holding([idle, busy], "sql") == [busy]
+    assert choose(holding([idle, busy], "sql"), POLICY, random.Random(0)).url == "b"
+    # the base model, or an adapter no worker reports yet: every worker stays a candidate
+    assert holding([idle, busy], "smollm2") == [idle, busy] and holding([idle, busy], "new") == [idle, busy]
