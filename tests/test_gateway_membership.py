@@ -110,6 +110,26 @@ def test_strategy_on_the_router_routes_by_probed_queue(router_and_fleet):
     assert decisions >= 1
 
 
+def test_strategy_on_the_router_sends_an_adapter_to_the_workers_holding_it(router_and_fleet):
+    """The adapter group "sql" is served by both workers' Service, but only 10.0.0.1 has loaded it: its
+    requests go there even though 10.0.0.2 is idle; the base model's requests still go to the idle one."""
+    router, fleet, prober = router_and_fleet
+    urls = ("http://10.0.0.1:8000", "http://10.0.0.2:8000")
+    fleet.sync({(group, url) for group in ("smol", "sql") for url in urls})
+    router.set_custom_routing_strategy(QueueDepthStrategy(router, prober, RoutingPolicy(), random.Random(0)))
+    holder, idle = prober.loads[urls[0]], prober.loads[urls[1]]
+    for w in (holder, idle):
+        w.up, w.max_num_seqs = True, 4
+    holder.waiting, holder.running, holder.lora_adapters = 2, 4, frozenset({"sql"})
+
+    async def picks(model):
+        return {worker_url_of(await router.async_get_available_deployment(model=model, request_kwargs={}))
+                for _ in range(5)}
+
+    assert asyncio.run(picks("sql")) == {urls[0]}
+    assert asyncio.run(picks("smol")) == {urls[1]}
+
+
 def test_strategy_respects_litellm_cooldown(router_and_fleet):
     router, fleet, prober = router_and_fleet
     fleet.sync({("smol", "http://10.0.0.1:8000"), ("smol", "http://10.0.0.2:8000")})
