@@ -16,7 +16,8 @@ import traceback
 from typing import AsyncIterator
 
 from pagefleet.worker.config import EngineConfig
-from pagefleet.worker.engine import EngineStats, LLMEngine
+from pagefleet.worker.engine import LLMEngine
+from pagefleet.worker.engine_stats import EngineStats
 from pagefleet.worker.outputs import RequestOutput
 from pagefleet.worker.sampling import SamplingParams
 

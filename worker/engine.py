@@ -8,9 +8,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from pagefleet.worker import engine_stats
 from pagefleet.worker.block_manager import BlockManager
 from pagefleet.worker.config import EngineConfig
 from pagefleet.worker.detokenizer import find_stop, update_text, visible_text
+from pagefleet.worker.engine_stats import EngineStats, StepRecord
 from pagefleet.worker.loader import load_model_config, resolve_model_path
 from pagefleet.worker.outputs import CompletionOutput, RequestOutput
 from pagefleet.worker.sampling import SamplingParams
@@ -18,31 +20,6 @@ from pagefleet.worker.scheduler import Scheduler
 from pagefleet.worker.sequence import Sequence
 
 MAX_DEFAULT_MODEL_LEN = 8192
-
-
-@dataclass
-class StepRecord:
-    num_seqs: int
-    num_prefill_tokens: int
-    num_decode_tokens: int
-    duration_s: float
-
-
-@dataclass
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float
-    num_preemptions_total: int
-    prompt_tokens_total: int
-    generation_tokens_total: int
-    prefix_cache_queries_total: int
-    prefix_cache_hits_total: int
-    steps_total: int
-    recent_steps: list[StepRecord] = field(default_factory=list)
-    max_loras: int = 0  # 0: LoRA off
-    running_loras: list[str] = field(default_factory=list)  # adapters of running / waiting requests
-    waiting_loras: list[str] = field(default_factory=list)
 
 
 PLACEHOLDER = -1  # an output token still on the device (overlapped decode)
@@ -357,28 +334,4 @@ class LLMEngine:
         return self.block_manager.slot_usage(self.scheduler.running)
 
     def stats(self) -> EngineStats:
-        return EngineStats(
-            num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
-            kv_cache_usage=self.block_manager.usage(),
-            num_preemptions_total=self.scheduler.num_preemptions,
-            prompt_tokens_total=self.prompt_tokens_total,
-            generation_tokens_total=self.generation_tokens_total,
-            prefix_cache_queries_total=self.block_manager.prefix_queries,
-            prefix_cache_hits_total=self.block_manager.prefix_hits,
-            steps_total=self.steps_total,
-            recent_steps=list(self.recent_steps),
-            **self._lora_stats(),
-        )
-
-    def _lora_stats(self) -> dict:
-        lora = self.runner.lora
-        if lora is None:
-            return {}
-        name_of = {i: name for name, i in lora.id_of.items()}
-
-        def names(seqs) -> list[str]:
-            return sorted({name_of[s.lora_id] for s in seqs if s.lora_id in name_of})
-
-        return {"max_loras": lora.max_loras, "running_loras": names(self.scheduler.running),
-                "waiting_loras": names(self.scheduler.waiting)}
+        return engine_stats.collect(self)
