@@ -124,6 +124,7 @@ def test_gateway_with_generated_secret():
     role = next(r for r in by_kind(docs, "Role") if r["metadata"]["name"] == "rel-pagefleet-gateway")
     assert role["rules"][0] == {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
                                 "verbs": ["list", "watch"]}
+    assert role["rules"][1] == {"apiGroups": [""], "resources": ["services"], "verbs": ["list", "watch"]}
     (svc,) = by_kind(docs, "Service")
     assert svc["spec"]["ports"][0]["port"] == 4000
 

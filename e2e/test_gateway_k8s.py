@@ -151,3 +151,39 @@ def test_scale_up_adds_and_pod_deletion_removes_workers_live(cluster, setup):
         raw = client.completions.with_raw_response.create(model=SERVED, prompt="Hi", max_tokens=2)
         assert raw.headers["x-litellm-model-api-base"].removesuffix("/v1") != victim_url
     assert gateway.poll() is None, "the gateway restarted"
+
+
+def test_lora_adapters_swap_through_the_gateway(cluster, setup, tmp_path):
+    """An InferenceService with a LoRA adapter behind the running gateway: the adapter is a model of the
+    gateway's; editing spec.lora swaps it for another in the running pod, and the gateway follows (it
+    watches the Services, whose adapters annotation the operator edits) without restarting."""
+    from peft_adapters import make_adapters
+
+    ns, url, gateway = setup["ns"], setup["url"], setup["gateway"]
+    cluster.kubectl("delete", "infsvc", "smol", "-n", ns, "--wait=false", check=False)  # the CPU is for this one
+    make_adapters(setup["model_path"], tmp_path / "adapters", [("terse", 0.05), ("chatty", 0.15)])
+    lora = {"hostPath": {"path": str(tmp_path / "adapters")}}
+    body = {"apiVersion": "pagefleet.io/v1alpha1", "kind": "InferenceService", "metadata": {"name": "lora"},
+            "spec": {"replicas": 1, "model": {"name": "smol-base", "hostPath": {"path": setup["model_path"]}},
+                     "resources": {"gpus": 0}, "engine": {"maxModelLen": 512, "maxNumSeqs": 2}, "drainSeconds": 2,
+                     "lora": {**lora, "adapters": [{"name": "terse", "path": "terse"}]}}}
+    cluster.apply(yaml.safe_dump(body), namespace=ns)
+    client = openai.OpenAI(base_url=url + "/v1", api_key=MASTER_KEY, max_retries=0, timeout=120)
+
+    def answers(model):
+        try:
+            return client.completions.create(model=model, prompt="The capital of France is", max_tokens=12,
+                                             temperature=0).choices[0].text or None
+        except openai.APIError:
+            return None
+
+    terse = cluster.wait_for("the gateway to serve terse", lambda: answers("terse"), timeout=READY_TIMEOUT)
+    base = answers("smol-base")
+    assert base and terse != base
+    cluster.kubectl("patch", "infsvc", "lora", "-n", ns, "--type=merge", "-p",
+                    '{"spec": {"lora": {"adapters": [{"name": "chatty", "path": "chatty"}]}}}')
+    chatty = cluster.wait_for("the gateway to serve chatty", lambda: answers("chatty"), timeout=60)
+    assert chatty not in (base, terse)
+    cluster.wait_for("terse to be gone", lambda: answers("terse") is None, timeout=60)
+    assert answers("smol-base") == base
+    assert gateway.poll() is None, "the gateway restarted"

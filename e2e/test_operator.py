@@ -417,21 +417,9 @@ def test_lora_adapters_are_served_by_name_and_swapped_without_restarts(cluster, 
     """PEFT adapters for the bundled model on the node's disk, named in spec.lora: the operator loads them
     into the running worker, which serves each as its own model, and the Service tells the gateway so.
     Editing the list later loads and unloads adapters in the same pod: no rollout, no restart."""
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
+    from peft_adapters import make_adapters
 
-    base = AutoModelForCausalLM.from_pretrained(bundled_model, dtype=torch.float32)
-    for seed, scale, name in ((0, 0.05, "terse"), (1, 0.1, "chatty")):
-        torch.manual_seed(seed)
-        peft_model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"],
-                                                     init_lora_weights=False))
-        with torch.no_grad():
-            for pname, p in peft_model.named_parameters():
-                if "lora_B" in pname:
-                    p.normal_(0, scale)
-        peft_model.save_pretrained(tmp_path / "adapters" / name)
-        base = peft_model.unload()  # the plain model again, for the next adapter
+    make_adapters(bundled_model, tmp_path / "adapters", [("terse", 0.05), ("chatty", 0.15)])
     served = f"smol-lora-{uuid.uuid4().hex[:4]}"
     source = {"hostPath": {"path": str(tmp_path / "adapters")}}
     body = inference_service("lora", bundled_model, served, lora={**source, "adapters": [{"name": "terse", "path": "terse"}]})

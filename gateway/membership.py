@@ -7,6 +7,8 @@ InferenceService has a Service labelled `pagefleet.io/inference-service=<name>`,
 the Service's labels onto its slices, so one watch on that label sees every worker of every
 InferenceService in the namespace; the Service annotation gives the model group, and
 `pagefleet.io/lora-adapters` (comma-separated) the LoRA adapters the same workers serve, each its own group.
+The Services are watched too: the operator edits that annotation when spec.lora changes, with no pod
+restarting, so no slice would change to tell us.
 """
 
 from __future__ import annotations
@@ -106,62 +108,71 @@ def kubernetes_client():
     return client.ApiClient()
 
 
-def watch_endpointslices(api, namespace: str, on_change: Callable[[set[tuple[str, str]]], None],
-                         stop: threading.Event) -> None:
-    """Blocking: lists and watches the slices, calling `on_change(all ready workers)` after each event.
+class _Watches:
+    """Two watches, one view: the EndpointSlices (which pods are ready) and the Services (which model
+    groups their pods serve: the model, then the LoRA adapters, which the operator swaps in running pods).
+    Each runs on its own thread (the kubernetes client is synchronous); every event publishes the whole
+    set of (model group, worker URL)."""
 
-    Runs on its own thread (the kubernetes client is synchronous); restarts the watch when the
-    API server closes it or the resourceVersion expires.
-    """
-    from kubernetes import client, watch
+    def __init__(self, api, namespace: str, on_change: Callable[[set[tuple[str, str]]], None], stop: threading.Event):
+        from kubernetes import client
 
-    discovery, core = client.DiscoveryV1Api(api), client.CoreV1Api(api)
-    selector = INSTANCE_LABEL
-    slices: dict[str, dict] = {}  # slice name -> slice as a plain dict
-    models_of_service: dict[str, list[str]] = {}
+        self.api, self.namespace, self.on_change, self.stop = api, namespace, on_change, stop
+        self.discovery, self.core = client.DiscoveryV1Api(api), client.CoreV1Api(api)
+        self.lock = threading.Lock()
+        self.slices: dict[str, dict] = {}  # slice name -> slice as a plain dict
+        self.models_of_service: dict[str, list[str]] = {}
 
-    def served_models(service: str) -> list[str]:
-        if service not in models_of_service:
+    def publish(self) -> None:
+        with self.lock:
+            wanted = set()
+            for s in self.slices.values():
+                service = (s.get("metadata", {}).get("labels") or {}).get(SERVICE_NAME_LABEL)
+                for model in self.models_of_service.get(service, []) if service else []:
+                    wanted |= ready_workers(s, model)
+        self.on_change(wanted)
+
+    def watch_slices(self) -> None:
+        self._watch("EndpointSlice", self.discovery.list_namespaced_endpoint_slice, "slices", lambda obj: obj)
+
+    def watch_services(self) -> None:
+        self._watch("Service", self.core.list_namespaced_service, "models_of_service",
+                    lambda obj: model_groups(obj["metadata"].get("annotations") or {}, obj["metadata"]["name"]))
+
+    def _watch(self, kind: str, list_fn, table: str, entry: Callable[[dict], object]) -> None:
+        """List, then watch from that list's version; list again when the API server ends the watch or
+        the version expires. A fresh list replaces its table in one step: the other thread never
+        publishes from a half-filled one."""
+        from kubernetes import watch
+
+        while not self.stop.is_set():
             try:
-                svc = core.read_namespaced_service(service, namespace)
-            except client.ApiException as exc:
-                log.warning("cannot read Service %s/%s: %s", namespace, service, exc.reason)
-                return []
-            models_of_service[service] = model_groups(svc.metadata.annotations or {}, service)
-        return models_of_service[service]
-
-    def publish() -> None:
-        wanted = set()
-        for s in slices.values():
-            service = (s.get("metadata", {}).get("labels") or {}).get(SERVICE_NAME_LABEL)
-            for model in served_models(service) if service else []:
-                wanted |= ready_workers(s, model)
-        on_change(wanted)
-
-    while not stop.is_set():
-        try:
-            listed = discovery.list_namespaced_endpoint_slice(namespace, label_selector=selector)
-            slices = {s.metadata.name: api.sanitize_for_serialization(s) for s in listed.items}
-            models_of_service.clear()  # annotations (the adapters) may have changed meanwhile
-            publish()
-            w = watch.Watch()
-            for event in w.stream(discovery.list_namespaced_endpoint_slice, namespace, label_selector=selector,
-                                  resource_version=listed.metadata.resource_version, timeout_seconds=30):
-                obj = api.sanitize_for_serialization(event["object"])
-                name = obj["metadata"]["name"]
-                if event["type"] == "DELETED":
-                    slices.pop(name, None)
-                else:
-                    slices[name] = obj
-                publish()
-                if stop.is_set():
-                    w.stop()
+                listed = list_fn(self.namespace, label_selector=INSTANCE_LABEL)
+                fresh = {}
+                for o in listed.items:
+                    obj = self.api.sanitize_for_serialization(o)
+                    fresh[obj["metadata"]["name"]] = entry(obj)
+                with self.lock:
+                    setattr(self, table, fresh)
+                self.publish()
+                w = watch.Watch()
+                for event in w.stream(list_fn, self.namespace, label_selector=INSTANCE_LABEL,
+                                      resource_version=listed.metadata.resource_version, timeout_seconds=30):
+                    obj = self.api.sanitize_for_serialization(event["object"])
+                    with self.lock:
+                        if event["type"] == "DELETED":
+                            getattr(self, table).pop(obj["metadata"]["name"], None)
+                        else:
+                            getattr(self, table)[obj["metadata"]["name"]] = entry(obj)
+                    self.publish()
+                    if self.stop.is_set():
+                        w.stop()
+                        break
+            except Exception as exc:  # expired resourceVersion, API server restart: list again
+                if self.stop.is_set():
                     break
-        except Exception as exc:  # expired resourceVersion, API server restart: list again
-            if stop.is_set():
-                break
-            log.warning("EndpointSlice watch interrupted (%s); listing again", exc)
-            stop.wait(1.0)
+                log.warning("%s watch interrupted (%s); listing again", kind, exc)
+                self.stop.wait(1.0)
 
 
 def start_kubernetes_membership(fleet: Fleet, namespace: str) -> threading.Event:
@@ -173,6 +184,7 @@ def start_kubernetes_membership(fleet: Fleet, namespace: str) -> threading.Event
     def on_change(wanted: set[tuple[str, str]]) -> None:
         loop.call_soon_threadsafe(fleet.sync, wanted)
 
-    threading.Thread(target=watch_endpointslices, args=(api, namespace, on_change, stop),
-                     name="pagefleet-endpointslice-watch", daemon=True).start()
+    watches = _Watches(api, namespace, on_change, stop)
+    threading.Thread(target=watches.watch_services, name="pagefleet-service-watch", daemon=True).start()
+    threading.Thread(target=watches.watch_slices, name="pagefleet-endpointslice-watch", daemon=True).start()
     return stop
