@@ -244,9 +244,9 @@ async def test_sigkill_loses_no_request_and_restarted_worker_rejoins(fleet):
                     text = "".join([ch.choices[0].text or "" async for ch in s if ch.choices])
                 else:
                     text = (await c.completions.create(model=MODEL, prompt=f"Number {i}:", max_tokens=3)).choices[0].text
-                outcomes[name].append(("ok", text))
+                outcomes[name].append(("ok", text, stream))
             except Exception as exc:  # recorded, asserted below: a lost request fails the test
-                outcomes[name].append(("lost", repr(exc)))
+                outcomes[name].append(("lost", repr(exc), stream))
 
     runners = [asyncio.create_task(run(name, 5, stream=False)) for name in outcomes for _ in range(2)]
     await asyncio.sleep(2.0)
@@ -256,11 +256,16 @@ async def test_sigkill_loses_no_request_and_restarted_worker_rejoins(fleet):
     # Streams that begin after the kill: LiteLLM retries them on the survivor before any byte is sent.
     await asyncio.gather(*(run(name, 3, stream=True) for name in outcomes))
     for name, results in outcomes.items():
-        lost = [r for r in results if r[0] != "ok"]
-        assert not lost, f"{name}: {len(lost)} of {len(results)} requests lost: {lost[:3]}"
         assert len(results) == 2 * 5 + 3
-    print(f"\nafter SIGKILL: {sum(map(len, outcomes.values()))} requests, all answered "
-          f"({time.monotonic() - killed_at:.1f} s after the kill)")
+        # ours: nothing lost. simple-shuffle: nothing lost of the requests in flight at the kill (the
+        # router retries them), but a stream that starts after it may be sent to the dead worker: its
+        # connection fails inside the stream, where LiteLLM neither retries nor cools the worker down
+        # (CI lost all three of shuffle's streams once). Our probe takes the worker out within 100 ms.
+        lost = [r for r in results if r[0] != "ok" and (name == "ours" or not r[2])]
+        assert not lost, f"{name}: {len(lost)} of {len(results)} requests lost: {lost[:3]}"
+    shuffle_streams_lost = sum(r[0] != "ok" for r in outcomes["shuffle"] if r[2])
+    print(f"\nafter SIGKILL: {sum(map(len, outcomes.values()))} requests ({time.monotonic() - killed_at:.1f} s after "
+          f"the kill); lost: none through ours, {shuffle_streams_lost} of 3 later streams through simple-shuffle")
 
     victim.start()  # same port: the static member comes back
     victim.wait_ready()
