@@ -443,6 +443,8 @@ def test_lora_adapters_are_served_by_name_and_swapped_without_restarts(cluster, 
                  on_timeout=lambda: f"{lora_status()}\n{operator.log_tail()}")
         wait_for("status.lora in sync", lambda: lora_status() == {"adapters": 1, "workersInSync": "1/1", "message": ""},
                  30, on_timeout=lora_status)
+        header, row = kubectl(cluster, "get", "infsvc", "lora", "-n", namespace, "-o", "wide").stdout.splitlines()
+        assert dict(zip(header.split(), row.split()))["LORA"] == "1/1"
 
         def ask(model):
             return client.completions.create(model=model, prompt="The capital of France is", max_tokens=12,

@@ -44,7 +44,10 @@ def test_status_and_scale_subresources():
 def test_printer_columns():
     columns = {c["name"]: c["jsonPath"] for c in version()["additionalPrinterColumns"]}
     assert columns == {"Model": ".spec.model.name", "Ready": ".status.readyReplicas", "Desired": ".spec.replicas",
-                       "Phase": ".status.phase", "Age": ".metadata.creationTimestamp"}
+                       "Phase": ".status.phase", "LoRA": ".status.lora.workersInSync",
+                       "Age": ".metadata.creationTimestamp"}
+    wide_only = {c["name"] for c in version()["additionalPrinterColumns"] if c.get("priority", 0) > 0}
+    assert wide_only == {"LoRA"}
 
 
 def test_spec_fields_and_rules():
