@@ -269,17 +269,22 @@ async def test_sigkill_loses_no_request_and_restarted_worker_rejoins(fleet):
 
     victim.start()  # same port: the static member comes back
     victim.wait_ready()
-    c = aclient(gateways["ours"])
-    deadline = time.time() + 30
-    seen = set()
-    while victim.url not in seen and time.time() < deadline:
-        raws = await asyncio.gather(*(c.completions.with_raw_response.create(model=MODEL, prompt="Hi", max_tokens=2)
-                                      for _ in range(4)))
-        seen |= {served_by(r) for r in raws}
-    assert victim.url in seen, "the restarted worker did not get traffic again"
+    assert await serves_again(gateways["ours"], victim.url), "the restarted worker did not get traffic again"
     async with httpx.AsyncClient() as h:
         metrics = (await h.get(gateways["ours"].url + "/pagefleet/metrics")).text
     assert f'pagefleet_gateway_worker_up{{worker="{victim.url}"}} 1.0' in metrics
+
+
+async def serves_again(gw: Proc, url: str, timeout: float = 30) -> bool:
+    """Sends small bursts through the gateway until the worker at url answers one."""
+    c = aclient(gw)
+    deadline = time.time() + timeout
+    seen = set()
+    while url not in seen and time.time() < deadline:
+        raws = await asyncio.gather(*(c.completions.with_raw_response.create(model=MODEL, prompt="Hi", max_tokens=2)
+                                      for _ in range(4)))
+        seen |= {served_by(r) for r in raws}
+    return url in seen
 
 
 # ---- 4. a draining worker answers 503: LiteLLM retries on the other one ----
@@ -288,6 +293,9 @@ async def test_draining_worker_503_is_retried_elsewhere(fleet):
     workers, gateways = fleet
     draining, other = workers
     draining.wait_ready()
+    # The SIGKILL before may have left this worker in simple-shuffle's cooldown, where shuffle would never
+    # pick it and so never need a retry (CI saw 0 retries once): start once shuffle sends it work again.
+    assert await serves_again(gateways["shuffle"], draining.url), "simple-shuffle never sent the worker work again"
     async with httpx.AsyncClient(timeout=600) as h:
         # One long request keeps the worker draining (503 for new work) instead of exiting at once.
         long_one = asyncio.create_task(h.post(draining.url + "/v1/completions", json={
