@@ -93,14 +93,18 @@ class Sweeper:
             meta = body["metadata"]
             self.client.patch_status(meta["namespace"], meta["name"], changes)
 
+    async def ready_workers(self, namespace: str, name: str) -> list[str]:
+        """URLs of the InferenceService's ready worker pods, read now."""
+        pods = await asyncio.to_thread(self.client.list, "v1", "Pod", namespace,
+                                       label_selector=resources.selector_string(name))
+        return status.endpoints(pods, resources.WORKER_PORT)
+
     async def sync_lora(self, body: Mapping[str, Any]) -> dict[str, Any]:
         """Loads and unloads adapters in each ready worker to match spec.lora; reports status.lora."""
         meta = body["metadata"]
         name, namespace = meta["name"], meta["namespace"]
-        pods = await asyncio.to_thread(self.client.list, "v1", "Pod", namespace,
-                                       label_selector=resources.selector_string(name))
         desired = adapters.desired_adapters(body["spec"])
-        results = await adapters.sync_workers(status.endpoints(pods, resources.WORKER_PORT), desired)
+        results = await adapters.sync_workers(await self.ready_workers(namespace, name), desired)
         report = adapters.status_of(desired, results)
         if (body.get("status") or {}).get("lora") != report:  # written (and logged) only when it changes
             if report["message"]:
@@ -112,9 +116,7 @@ class Sweeper:
         """Probes each ready pod's /load and sets spec.replicas to keep the average queue near the target."""
         meta, spec = body["metadata"], body["spec"]
         name, namespace = meta["name"], meta["namespace"]
-        pods = await asyncio.to_thread(self.client.list, "v1", "Pod", namespace,
-                                       label_selector=resources.selector_string(name))
-        waiting = await autoscaler.probe_waiting(status.endpoints(pods, resources.WORKER_PORT))
+        waiting = await autoscaler.probe_waiting(await self.ready_workers(namespace, name))
         settings = spec["autoscaling"]
         previous = dict((body.get("status") or {}).get("autoscaling") or {})
         decision = autoscaler.decide(
