@@ -30,16 +30,37 @@ def paged(seq_lens, num_kv_heads, head_dim, block_size):
 
 
 @pytest.mark.parametrize("block_size", [16, 32])
-@pytest.mark.parametrize("num_splits", [None, 1, 5])
-def test_decode_bf16(block_size, num_splits):
+@pytest.mark.parametrize("num_splits", [None, 1, 5, 16])
+@pytest.mark.parametrize("merge", [True, False])
+def test_decode_bf16(block_size, num_splits, merge):
     from pagefleet.kernels import attention
 
     lens = torch.randint(1, 3000, (24,)).tolist()
     kc, vc, bt, sl = paged(lens, 8, 128, block_size)
-    q = torch.randn(24, 32, 128, device="cuda", dtype=BF)
-    out = torch.full_like(q, float("nan"))
-    attention.paged_decode_attention(q, kc, vc, bt, sl, out=out, num_splits=num_splits)
-    close(out, ref.paged_decode_attention(q.float(), kc.float(), vc.float(), bt, sl), BF)
+    for _ in range(3):  # the in-kernel merge leaves its counters at 0 for the next launch
+        q = torch.randn(24, 32, 128, device="cuda", dtype=BF)
+        out = torch.full_like(q, float("nan"))
+        attention.paged_decode_attention(q, kc, vc, bt, sl, out=out, num_splits=num_splits, merge=merge)
+        close(out, ref.paged_decode_attention(q.float(), kc.float(), vc.float(), bt, sl), BF)
+
+
+def test_decode_merge_in_a_graph_at_batch_1():
+    """Batch 1, 16 splits merged in the kernel, replayed from a CUDA graph over new queries and lengths."""
+    from pagefleet.kernels import attention
+
+    kc, vc, bt, sl = paged([4000], 8, 128, 16)
+    q = torch.randn(1, 32, 128, device="cuda", dtype=BF)
+    out = torch.empty_like(q)
+    attention.paged_decode_attention(q, kc, vc, bt, sl, out=out)  # compiles, allocates the counters
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        attention.paged_decode_attention(q, kc, vc, bt, sl, out=out)
+    for n in (4000, 1, 1500, 17):
+        sl.fill_(n)
+        q.copy_(torch.randn_like(q))
+        out.fill_(float("nan"))
+        graph.replay()
+        close(out, ref.paged_decode_attention(q.float(), kc.float(), vc.float(), bt, sl), BF)
 
 
 @pytest.mark.parametrize("group", [1, 4])

@@ -38,16 +38,20 @@ def test_triton_write_kv_cache(dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("group", [1, 4])
 @pytest.mark.parametrize("num_splits", [1, 3, 16])  # 16: most slices of these short sequences are empty
-def test_triton_decode_attention(dtype, group, num_splits):
+@pytest.mark.parametrize("merge", [True, False])  # split partials merged in the kernel or by a second launch
+def test_triton_decode_attention(dtype, group, num_splits, merge):
     gen = torch.Generator().manual_seed(3)
     lens = [1, 50, 16, 33]  # one token, several blocks, an exact block, a partial tail
     k_cache, v_cache, bt, seq_lens = make_paged(lens, 2, 32, 16, dtype, gen)
-    q = torch.randn(len(lens), 2 * group, 32, generator=gen).to(dtype)
-    expected = ref.paged_decode_attention(q.float(), k_cache.float(), v_cache.float(), bt, seq_lens)
-    out = torch.full_like(q, float("nan"))  # poisoned: every element must be written
-    TK["attention"].paged_decode_attention(q, k_cache, v_cache, bt, seq_lens, out=out, num_splits=num_splits,
-                                           block_n=16)
-    close(out, expected, dtype)
+    for _ in range(2):  # the in-kernel merge's counters must be back at 0 for the next launch
+        q = torch.randn(len(lens), 2 * group, 32, generator=gen).to(dtype)
+        expected = ref.paged_decode_attention(q.float(), k_cache.float(), v_cache.float(), bt, seq_lens)
+        out = torch.full_like(q, float("nan"))  # poisoned: every element must be written
+        TK["attention"].paged_decode_attention(q, k_cache, v_cache, bt, seq_lens, out=out, num_splits=num_splits,
+                                               block_n=16, merge=merge)
+        close(out, expected, dtype)
+    arrivals = TK["attention"]._arrivals_by_device.get(q.device)
+    assert arrivals is None or not arrivals.any()
 
 
 def test_triton_decode_stale_max_seq_len():
