@@ -11,7 +11,7 @@ start=$(date +%s.%N)
 python3 -m pagefleet serve --model "$model" --served-model-name llama-8b --host 127.0.0.1 --port $port \
   --max-model-len 2048 --max-num-seqs 256 --max-num-batched-tokens 8192 --disable-access-log "${@:3}" >"$out/serve_server.log" 2>&1 &
 server=$!
-trap 'kill $server 2>/dev/null || true' EXIT
+trap 'kill $server 2>/dev/null; wait $server 2>/dev/null || true' EXIT  # the next run needs its GPU memory
 until curl -sf http://127.0.0.1:$port/ready >/dev/null; do
   kill -0 $server 2>/dev/null || { tail -50 "$out/serve_server.log"; exit 1; }
   sleep 0.5
@@ -19,4 +19,4 @@ done
 ready=$(python3 -c "print(f'{$(date +%s.%N) - $start:.1f}')")
 echo "process start to /ready: ${ready}s" | tee "$out/serve_ready.txt"
 python3 -m pagefleet bench serve --base-url http://127.0.0.1:$port --input-len 564 --output-len 128 \
-  --concurrency 1 4 8 16 32 64 --json-out "$out/serve_bench.json" 2>&1 | tee "$out/serve_bench.txt"
+  --concurrency ${CONCURRENCY:-1 4 8 16 32 64} --json-out "$out/serve_bench.json" 2>&1 | tee "$out/serve_bench.txt"
