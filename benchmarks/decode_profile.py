@@ -86,7 +86,7 @@ def breakdown(eng):
                 eng.step()
             graphs = eng.runner.graphs
             if mode == "eager":
-                eng.runner.graphs = {}
+                eng.runner.graphs = None
             r = profile_steps(eng, 8)
             eng.runner.graphs = graphs
             for rid in list(eng.requests):

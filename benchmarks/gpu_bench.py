@@ -193,7 +193,7 @@ def eager(eng):
     rows = {}
     for b in (1, 8):
         reqs = static_requests(b, 512, 128)
-        eng.runner.graphs = {}
+        eng.runner.graphs = None
         e = run_engine(eng, reqs, warmup=False)
         eng.runner.graphs = graphs
         g = run_engine(eng, reqs, warmup=False)
@@ -300,7 +300,7 @@ def main():
         eng = engine(big)
         RESULTS["engine_init_s"] = time.time() - t
         RESULTS["kv_blocks"] = eng.block_manager.num_blocks
-        RESULTS["graph_capture_s"] = getattr(eng.runner, "capture_seconds", None)
+        RESULTS["graph_capture_s"] = eng.runner.graphs.capture_seconds if eng.runner.graphs else None
         print(f"engine up in {RESULTS['engine_init_s']:.1f}s: {eng.block_manager.num_blocks} KV blocks, profile {getattr(eng.runner, 'profile', None)}", flush=True)
         static(eng)
         eager(eng)

@@ -1,7 +1,7 @@
-"""One forward step on the device: the step's tensors, the model, CUDA graphs for decode, the sampler.
+"""One forward step on the device: the step's tensors, the model, the sampler.
 
 Builds input ids, positions, slot mapping and block tables from the scheduled batch, runs the model
-(eager for prefill and mixed steps, a replayed CUDA graph for pure decode steps), and samples.
+(eager for prefill and mixed steps, a replayed CUDA graph for pure decode steps: cuda_graphs.py), and samples.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import torch
 from pagefleet.worker import ops
 from pagefleet.worker.attention import AttentionMetadata, set_attention_metadata
 from pagefleet.worker.config import EngineConfig
+from pagefleet.worker.cuda_graphs import DecodeGraphs, batch_sizes
 from pagefleet.worker.kv_cache import KVCache, size_kv_cache
 from pagefleet.worker.loader import build_model
 from pagefleet.worker.lora import set_lora_mapping
@@ -91,11 +92,13 @@ class ModelRunner:
         num_blocks = size_kv_cache(self, config, model_config)
         self.kv = KVCache(model_config, num_blocks, self.block_size, self.dtype, self.device)
         self.kv.bind(self.model)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graphs: DecodeGraphs | None = None  # None: every step eager (--enforce-eager, CPU)
         if self.device.type == "cuda":
             self._warmup()
             if not config.enforce_eager:
-                self._capture_graphs()
+                self.graphs = DecodeGraphs(self.model, self.device, batch_sizes(config.max_num_seqs), max_model_len,
+                                           self.max_blocks_per_seq)
+                self.graphs.capture()
 
     # ---- step
 
@@ -146,8 +149,11 @@ class ModelRunner:
         n = len(batch.seqs)
         is_decode = tokens.shape[1] == n
         lora_mapping = self.lora.mapping(batch.seqs, batch.num_new_tokens) if self.lora is not None else None
-        if is_decode and self.graphs and n <= self.max_graph_batch and lora_mapping is None:
-            hidden = self._replay(tokens, seq_lens, tables, feed)
+        if is_decode and self.graphs is not None and self.graphs.fits(n) and lora_mapping is None:
+            input_ids = self.graphs.stage(tokens, seq_lens, tables)
+            if feed is not None:
+                self._feed_device_tokens(input_ids, feed)
+            hidden = self.graphs.replay(n)
         else:  # prefill, mixed, LoRA and over-sized steps: eager
             dev = self.device
             tokens_d = torch.from_numpy(tokens).to(dev, non_blocking=True)
@@ -231,61 +237,3 @@ class ModelRunner:
             self.model.compute_logits(hidden[:1])
             set_attention_metadata(None)
         torch.cuda.synchronize()
-
-    # ---- CUDA graphs for decode
-
-    def _graph_batch_sizes(self) -> list[int]:
-        top = min(self.config.max_num_seqs, 512)
-        sizes = [b for b in (1, 2, 4, 8) if b <= top] + list(range(16, top + 1, 16))
-        if sizes[-1] != top:
-            sizes.append(top)
-        return sizes
-
-    @torch.inference_mode()
-    def _capture_graphs(self) -> None:
-        start = time.time()
-        sizes = self._graph_batch_sizes()
-        self.max_graph_batch = sizes[-1]
-        m, dev = self.max_graph_batch, self.device
-        tokens = torch.zeros(3, m, dtype=torch.long, device=dev)  # input ids, positions, slots: one copy per step
-        tokens[2].fill_(-1)
-        self.static = {
-            "tokens": tokens,
-            "input_ids": tokens[0],
-            "positions": tokens[1],
-            "slot_mapping": tokens[2],
-            "seq_lens": torch.ones(m, dtype=torch.int32, device=dev),
-            "block_tables": torch.zeros(m, -(-self.max_blocks_per_seq // 4) * 4, dtype=torch.int32, device=dev),
-            "cu_seqlens_q": torch.arange(m + 1, dtype=torch.int32, device=dev),
-        }
-        self.graph_out: dict[int, torch.Tensor] = {}
-        pool = None
-        s = self.static
-        for bs in reversed(sizes):  # largest first, so smaller graphs reuse its memory pool
-            meta = AttentionMetadata(s["slot_mapping"][:bs], s["block_tables"][:bs], s["seq_lens"][:bs], s["cu_seqlens_q"][: bs + 1], self.max_model_len, True)
-            set_attention_metadata(meta)
-            self.model(s["input_ids"][:bs], s["positions"][:bs])  # warm-up: Triton compiles outside the capture
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool):
-                self.graph_out[bs] = self.model(s["input_ids"][:bs], s["positions"][:bs])
-            pool = graph.pool() if pool is None else pool
-            self.graphs[bs] = graph
-            set_attention_metadata(None)
-        torch.cuda.synchronize()
-        self.graph_sizes = sizes
-        self.capture_seconds = time.time() - start
-        print(f"pagefleet: captured {len(sizes)} decode CUDA graphs (batch 1..{m}) in {self.capture_seconds:.1f}s", flush=True)
-
-    def _replay(self, tokens, seq_lens, tables, feed=None) -> torch.Tensor:
-        n = tokens.shape[1]
-        bs = next(b for b in self.graph_sizes if b >= n)
-        s = self.static
-        s["tokens"][:, :n].copy_(torch.from_numpy(tokens), non_blocking=True)
-        s["slot_mapping"][n:bs].fill_(-1)  # padding rows write nowhere
-        s["seq_lens"][:n].copy_(torch.from_numpy(seq_lens), non_blocking=True)
-        s["seq_lens"][n:bs].fill_(1)
-        s["block_tables"][:n, : tables.shape[1]].copy_(torch.from_numpy(tables), non_blocking=True)
-        if feed is not None:
-            self._feed_device_tokens(s["input_ids"][:n], feed)
-        self.graphs[bs].replay()
-        return self.graph_out[bs][:n]

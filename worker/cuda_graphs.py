@@ -1,0 +1,87 @@
+"""Decode steps as CUDA graphs: one graph per captured batch size over static input buffers.
+
+A pure decode step of n sequences is padded to the next captured size: its inputs are copied into the
+static buffers (padding rows write to slot -1, i.e. nowhere, and see one key), then the graph replays the
+whole model forward in one launch. `--enforce-eager` skips all of this.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from pagefleet.worker.attention import AttentionMetadata, set_attention_metadata
+
+
+def batch_sizes(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, 8, then steps of 16 up to max_num_seqs (at most 512), and max_num_seqs itself."""
+    top = min(max_num_seqs, 512)
+    sizes = [b for b in (1, 2, 4, 8) if b <= top] + list(range(16, top + 1, 16))
+    if sizes[-1] != top:
+        sizes.append(top)
+    return sizes
+
+
+class DecodeGraphs:
+    def __init__(self, model, device: torch.device, sizes: list[int], max_model_len: int, max_blocks_per_seq: int):
+        self.model = model
+        self.sizes = sizes
+        self.max_batch = sizes[-1]
+        self.max_model_len = max_model_len
+        m = self.max_batch
+        tokens = torch.zeros(3, m, dtype=torch.long, device=device)  # input ids, positions, slots: one copy per step
+        tokens[2].fill_(-1)
+        self.tokens = tokens
+        self.seq_lens = torch.ones(m, dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros(m, -(-max_blocks_per_seq // 4) * 4, dtype=torch.int32, device=device)
+        self.cu_seqlens_q = torch.arange(m + 1, dtype=torch.int32, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.capture_seconds = 0.0
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        start = time.time()
+        pool = None
+        ids, positions, slots = self.tokens
+        for bs in reversed(self.sizes):  # largest first, so smaller graphs reuse its memory pool
+            meta = AttentionMetadata(slots[:bs], self.block_tables[:bs], self.seq_lens[:bs], self.cu_seqlens_q[: bs + 1],
+                                     self.max_model_len, True)
+            set_attention_metadata(meta)
+            self.model(ids[:bs], positions[:bs])  # warm-up: Triton compiles outside the capture
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool):
+                self.outputs[bs] = self.model(ids[:bs], positions[:bs])
+            pool = graph.pool() if pool is None else pool
+            self.graphs[bs] = graph
+            set_attention_metadata(None)
+        torch.cuda.synchronize()
+        self.capture_seconds = time.time() - start
+        print(f"pagefleet: captured {len(self.sizes)} decode CUDA graphs (batch 1..{self.max_batch}) in "
+              f"{self.capture_seconds:.1f}s", flush=True)
+
+    def fits(self, n: int) -> bool:
+        return n <= self.max_batch
+
+    def stage(self, tokens: np.ndarray, seq_lens: np.ndarray, tables: np.ndarray) -> torch.Tensor:
+        """Copy one step's inputs into the static buffers; -> the step's input ids (for tokens still on
+        the device to be written in before the replay)."""
+        n = tokens.shape[1]
+        bs = self._padded(n)
+        self.tokens[:, :n].copy_(torch.from_numpy(tokens), non_blocking=True)
+        self.tokens[2, n:bs].fill_(-1)  # padding rows write nowhere
+        self.seq_lens[:n].copy_(torch.from_numpy(seq_lens), non_blocking=True)
+        self.seq_lens[n:bs].fill_(1)
+        self.block_tables[:n, : tables.shape[1]].copy_(torch.from_numpy(tables), non_blocking=True)
+        return self.tokens[0, :n]
+
+    def replay(self, n: int) -> torch.Tensor:
+        """Run the staged step; -> hidden states [n, hidden] (a view of the graph's output buffer)."""
+        bs = self._padded(n)
+        self.graphs[bs].replay()
+        return self.outputs[bs][:n]
+
+    def _padded(self, n: int) -> int:
+        return next(b for b in self.sizes if b >= n)
