@@ -158,21 +158,10 @@ def _merge_splits(part_acc_ptr, part_ml_ptr, out_ptr, out_offset, head0, seq_hea
 @triton.jit(do_not_specialize=["num_splits"])
 def _decode_reduce_kernel(part_acc_ptr, part_ml_ptr, out_ptr, num_splits, num_heads, stride_ob, stride_oh,
                           HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr):
-    """Program (seq, head): merge the split partials with their max-logit rescale."""
+    """Program (seq, head): the merge as a launch of its own, where the decode kernel cannot merge."""
     seq, head = tl.program_id(0), tl.program_id(1)
-    offs_s = tl.arange(0, SPLITS_PAD)
-    s_mask = offs_s < num_splits
-    offs_d = tl.arange(0, HEAD_DIM_PAD)
-    d_mask = offs_d < HEAD_DIM
-    row = (seq * num_heads + head) * num_splits + offs_s
-    m = tl.load(part_ml_ptr + row * 2, mask=s_mask, other=float("-inf"))
-    l = tl.load(part_ml_ptr + row * 2 + 1, mask=s_mask, other=0.0)
-    acc = tl.load(part_acc_ptr + row[:, None] * HEAD_DIM_PAD + offs_d[None, :],
-                  mask=s_mask[:, None] & d_mask[None, :], other=0.0)
-    m_max = tl.max(m, axis=0)
-    w = tl.exp2(m - m_max)  # empty splits: exp2(-inf) = 0
-    out = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)
-    tl.store(out_ptr + seq * stride_ob + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
+    _merge_splits(part_acc_ptr, part_ml_ptr, out_ptr, seq * stride_ob, head, seq * num_heads, num_splits, stride_oh,
+                  1, HEAD_DIM, HEAD_DIM_PAD, 2, SPLITS_PAD)
 
 
 def decode_config(num_seqs, num_kv_heads):
