@@ -2,7 +2,7 @@
 
 The dispatching functions here pick the Triton kernel for CUDA tensors when Triton imports, and the
 reference (reference.py) otherwise, so the engine can call them on any device. The Triton modules
-(attention, kv_cache, norm, rope, activation, fp8) are imported only on first CUDA use.
+(attention, kv_cache, norm, rope, activation, greedy, fp8) are imported only on first CUDA use.
 """
 import functools
 import importlib
@@ -12,7 +12,7 @@ from .reference import rope_cos_sin_cache  # noqa: F401
 
 __all__ = ["triton_available", "reference", "rope_cos_sin_cache", "write_kv_cache", "paged_decode_attention",
            "paged_prefill_attention", "rms_norm", "fused_add_rms_norm", "apply_rope", "rope_and_write_kv", "silu_and_mul",
-           "quantize_fp8_per_token", "fp8_linear"]
+           "argmax", "quantize_fp8_per_token", "fp8_linear"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -50,5 +50,6 @@ fused_add_rms_norm = _dispatch("norm", "fused_add_rms_norm")
 apply_rope = _dispatch("rope", "apply_rope")
 rope_and_write_kv = _dispatch("rope", "rope_and_write_kv")
 silu_and_mul = _dispatch("activation", "silu_and_mul")
+argmax = _dispatch("greedy", "argmax")
 quantize_fp8_per_token = _dispatch("fp8", "quantize_fp8_per_token")
 fp8_linear = _dispatch("fp8", "fp8_linear")

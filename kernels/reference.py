@@ -187,6 +187,14 @@ def skinny_matmul(x, weight, bias=None, gated=False):
     return silu_and_mul(y.to(x.dtype)) if gated else y.to(x.dtype)
 
 
+# ---------------------------------------------------------------- greedy token choice
+
+
+def argmax(logits):
+    """[R, V] -> int64 [R]: the first index of each row's maximum (NaN counts as the largest)."""
+    return logits.argmax(dim=-1)
+
+
 # ---------------------------------------------------------------- FP8
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn

@@ -164,3 +164,15 @@ def test_rope_and_write_kv_bf16():
     kv_cache.write_kv_cache(k_two, v, kc2, vc2, slots)
     assert torch.equal(q_rot, q_two) and torch.equal(kc, kc2) and torch.equal(vc, vc2)
 
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16, 64, 300])
+@pytest.mark.parametrize("dtype", [BF, torch.float32])
+def test_argmax_matches_torch(rows, dtype):
+    """Llama-3's vocabulary in bf16 (the greedy path) and fp32 (the sampled path); bf16 logits tie often."""
+    from pagefleet.kernels import greedy
+
+    for _ in range(3):  # the per-row counters are back at 0 after each launch
+        x = torch.randn(rows, 128256, device="cuda").to(dtype)
+        x[0, [5, 128255]] = 50.0  # a tie across chunks
+        assert torch.equal(greedy.argmax(x), x.argmax(dim=-1))

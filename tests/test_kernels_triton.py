@@ -12,9 +12,9 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="interpreter tests: run by test_kernels.py in a child process")
 if os.environ.get("TRITON_INTERPRET") == "1":
     triton = pytest.importorskip("triton")
-    from pagefleet.kernels import activation, attention, fp8, gemv, kv_cache, norm, rope
+    from pagefleet.kernels import activation, attention, greedy, fp8, gemv, kv_cache, norm, rope
     TK = {"attention": attention, "kv_cache": kv_cache, "norm": norm, "rope": rope, "activation": activation,
-          "fp8": fp8, "gemv": gemv}
+          "fp8": fp8, "gemv": gemv, "greedy": greedy}
 
 from pagefleet.kernels import reference as ref
 from test_kernels import DTYPES, close, make_paged
@@ -137,6 +137,23 @@ def test_triton_rope_and_write_kv(dtype, rot):
 def test_triton_silu_and_mul(dtype):
     x = torch.randn(5, 2 * 40, generator=torch.Generator().manual_seed(7)).to(dtype)
     close(TK["activation"].silu_and_mul(x), ref.silu_and_mul(x), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("num_chunks", [None, 1, 3])
+def test_triton_argmax(dtype, num_chunks):
+    """First index of the maximum per row, as torch.argmax: ties across chunks and within a block, a NaN,
+    the last index, a row whose tail block is partial; twice, so the per-row counters must be back at 0."""
+    gen = torch.Generator().manual_seed(12)
+    for _ in range(2):
+        x = torch.randn(5, 1000, generator=gen).to(dtype)
+        x[1, [70, 900]] = 9.0  # a tie in different chunks: the first wins
+        x[2, [3, 4]] = 9.0  # a tie inside one block
+        x[3, 500] = float("nan")
+        x[4, 999] = 9.0
+        got = TK["greedy"].argmax(x, num_chunks=num_chunks, block=64)
+        assert got.dtype == torch.int64 and torch.equal(got, ref.argmax(x)), (got, ref.argmax(x))
+    assert not TK["greedy"]._workspace_by_device[x.device][0].any()
 
 
 def test_triton_fp8_quantize():

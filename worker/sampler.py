@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from pagefleet.worker import ops
 from pagefleet.worker.outputs import TokenLogprobs
 from pagefleet.worker.sequence import Sequence
 
@@ -43,7 +44,7 @@ class Sampler:
         if any(self._needs_processing(s) for s in seqs):
             logits = self._apply_penalties(logits.float(), seqs)
         greedy = [s.params.greedy for s in seqs]
-        tokens = logits.argmax(dim=-1)  # argmax is exact in the model dtype
+        tokens = ops.argmax(logits)  # exact in the model dtype
         if not all(greedy):  # decided on the host: no device sync
             tokens = torch.where(torch.tensor(greedy, device=logits.device), tokens, self._sample_random(logits.float(), seqs))
         return tokens
@@ -100,7 +101,7 @@ class Sampler:
         for i, s in enumerate(seqs):
             if s.seed is not None:
                 noise[i].exponential_(generator=self._generator(s))
-        return (probs / noise).argmax(dim=-1)
+        return ops.argmax(probs / noise)
 
     def _logprobs(self, raw, tokens, seqs, want) -> list[TokenLogprobs | None]:
         if raw is None:
