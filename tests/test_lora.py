@@ -8,6 +8,9 @@ from engine_models import hf_greedy
 from pagefleet.worker import LLM, SamplingParams
 
 peft = pytest.importorskip("peft")
+# A fixed KV size, not a share of the card: on a GPU several engines of one test (and the server a test
+# starts) must fit beside each other, and each would otherwise take gpu_memory_fraction of the whole card.
+BLOCKS = 200
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 PROMPTS = [list(range(200, 231)), list(range(500, 509)), list(range(40, 97))]
 
@@ -72,7 +75,7 @@ def test_adapter_outputs_match_peft(tiny_models, adapters, arch, adapter):
 
 
 def test_base_and_two_adapters_share_every_step(tiny_models, adapters):
-    llm = LLM(str(tiny_models["llama"]), max_model_len=256, enable_lora=True, max_lora_rank=8, max_num_batched_tokens=24)
+    llm = LLM(str(tiny_models["llama"]), max_model_len=256, num_gpu_blocks_override=BLOCKS, enable_lora=True, max_lora_rank=8, max_num_batched_tokens=24)
     llm.load_lora("a", str(adapters["a"]))
     llm.load_lora("b", str(adapters["b"]))
     solo = {name: tokens(llm.generate(PROMPTS, GREEDY, lora_name=name)) for name in ("a", "b", None)}
@@ -95,7 +98,7 @@ def test_adapter_samples_share_the_prompt_and_survive_preemption(tiny_models, ad
     """n = 3 samples of an adapter request share its prompt blocks (copy-on-write) and each equals a single
     request with its seed; a KV budget too small for all of them preempts and recomputes, same outputs."""
     sampled = SamplingParams(temperature=0.9, seed=7, max_tokens=20, ignore_eos=True)
-    roomy = LLM(str(tiny_models["llama"]), max_model_len=256, enable_lora=True, max_lora_rank=8)
+    roomy = LLM(str(tiny_models["llama"]), max_model_len=256, num_gpu_blocks_override=BLOCKS, enable_lora=True, max_lora_rank=8)
     roomy.load_lora("a", str(adapters["a"]))
     (fanned,) = roomy.generate([PROMPTS[2]], SamplingParams(temperature=0.9, seed=7, max_tokens=20, ignore_eos=True, n=3), lora_name="a")
     singles = [roomy.generate([PROMPTS[2]], SamplingParams(temperature=0.9, seed=7 + i, max_tokens=20, ignore_eos=True), lora_name="a")[0]
@@ -110,7 +113,7 @@ def test_adapter_samples_share_the_prompt_and_survive_preemption(tiny_models, ad
 
 
 def test_prefix_cache_keeps_adapters_apart(tiny_models, adapters):
-    llm = LLM(str(tiny_models["llama"]), max_model_len=256, enable_lora=True, max_lora_rank=8)
+    llm = LLM(str(tiny_models["llama"]), max_model_len=256, num_gpu_blocks_override=BLOCKS, enable_lora=True, max_lora_rank=8)
     llm.load_lora("a", str(adapters["a"]))
     prompt = list(range(300, 340))  # two full blocks of 16
     assert llm.generate([prompt], GREEDY)[0].num_cached_tokens == 0
@@ -120,7 +123,7 @@ def test_prefix_cache_keeps_adapters_apart(tiny_models, adapters):
 
 
 def test_hot_swap_and_clear_errors(tiny_models, adapters, tmp_path):
-    llm = LLM(str(tiny_models["llama"]), max_model_len=256, enable_lora=True, max_lora_rank=4, max_loras=1)
+    llm = LLM(str(tiny_models["llama"]), max_model_len=256, num_gpu_blocks_override=BLOCKS, enable_lora=True, max_lora_rank=4, max_loras=1)
     llm.load_lora("a", str(adapters["a"]))
     with_a = tokens(llm.generate(PROMPTS[:1], GREEDY, lora_name="a"))
     with pytest.raises(ValueError, match="all 1 LoRA slots are in use"):
@@ -150,7 +153,7 @@ def test_hot_swap_and_clear_errors(tiny_models, adapters, tmp_path):
     llm.unload_lora("a2")
     with pytest.raises(ValueError, match="was the adapter made for another model"):
         llm.load_lora("wrong", str(wrong))
-    plain = LLM(str(tiny_models["llama"]), max_model_len=256)
+    plain = LLM(str(tiny_models["llama"]), max_model_len=256, num_gpu_blocks_override=BLOCKS)
     with pytest.raises(ValueError, match="enable_lora"):
         plain.load_lora("a", str(adapters["a"]))
 
@@ -162,7 +165,7 @@ def test_server_serves_loads_and_unloads_adapters(tiny_models, adapters, tmp_pat
 
     from test_server import AUTH, Server
 
-    offline = LLM(str(tiny_models["llama"]), max_model_len=256, enable_lora=True, max_lora_rank=8)
+    offline = LLM(str(tiny_models["llama"]), max_model_len=256, num_gpu_blocks_override=BLOCKS, enable_lora=True, max_lora_rank=8)
     offline.load_lora("a", str(adapters["a"]))
     offline.load_lora("b", str(adapters["b"]))
     want = {name: offline.generate(PROMPTS[:1], GREEDY, lora_name=name)[0].outputs[0].text for name in ("a", "b", None)}
@@ -210,7 +213,7 @@ def test_metrics_name_the_running_and_waiting_adapters_as_vllm_does(tiny_models,
 
     from pagefleet.worker.metrics import ServerMetrics
 
-    llm = LLM(str(tiny_models["llama"]), max_model_len=256, enable_lora=True, max_lora_rank=8, max_num_seqs=1, max_loras=3)
+    llm = LLM(str(tiny_models["llama"]), max_model_len=256, num_gpu_blocks_override=BLOCKS, enable_lora=True, max_lora_rank=8, max_num_seqs=1, max_loras=3)
     llm.load_lora("a", str(adapters["a"]))
     llm.load_lora("b", str(adapters["b"]))
     engine = llm.engine
@@ -220,7 +223,7 @@ def test_metrics_name_the_running_and_waiting_adapters_as_vllm_does(tiny_models,
     families = {f.name: f for f in text_string_to_metric_families(ServerMetrics("tiny", engine.stats).render().decode())}
     (sample,) = families["vllm:lora_requests_info"].samples
     assert sample.labels == {"max_lora": "3", "running_lora_adapters": "a", "waiting_lora_adapters": "b"}
-    plain = LLM(str(tiny_models["llama"]), max_model_len=256)
+    plain = LLM(str(tiny_models["llama"]), max_model_len=256, num_gpu_blocks_override=BLOCKS)
     assert "vllm:lora_requests_info" not in ServerMetrics("tiny", plain.engine.stats).render().decode()
 
 
