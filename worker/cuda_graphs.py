@@ -2,7 +2,11 @@
 
 A pure decode step of n sequences is padded to the next captured size: its inputs are copied into the
 static buffers (padding rows write to slot -1, i.e. nowhere, and see one key), then the graph replays the
-whole model forward in one launch. `--enforce-eager` skips all of this.
+whole model forward and the lm_head in one launch. `--enforce-eager` skips all of this.
+
+Every graph writes its logits into one static buffer [max batch, vocab] (a buffer per graph would cost
+2 GB at 512 sequences): a replay's logits are read by the sampling launches queued behind it, before the
+next replay on the same stream overwrites them.
 """
 
 from __future__ import annotations
@@ -24,6 +28,11 @@ def batch_sizes(max_num_seqs: int) -> list[int]:
     return sizes
 
 
+def static_logits_bytes(model_config, max_num_seqs: int, dtype: torch.dtype) -> int:
+    """The graphs' shared logits buffer, which the KV budget must leave room for."""
+    return batch_sizes(max_num_seqs)[-1] * model_config.vocab_size * dtype.itemsize
+
+
 class DecodeGraphs:
     def __init__(self, model, device: torch.device, sizes: list[int], max_model_len: int, max_blocks_per_seq: int):
         self.model = model
@@ -37,8 +46,8 @@ class DecodeGraphs:
         self.seq_lens = torch.ones(m, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(m, -(-max_blocks_per_seq // 4) * 4, dtype=torch.int32, device=device)
         self.cu_seqlens_q = torch.arange(m + 1, dtype=torch.int32, device=device)
+        self.logits = torch.empty(m, model.lm_head.weight.shape[0], dtype=model.lm_head.weight.dtype, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
         self.capture_seconds = 0.0
 
     @torch.inference_mode()
@@ -50,10 +59,10 @@ class DecodeGraphs:
             meta = AttentionMetadata(slots[:bs], self.block_tables[:bs], self.seq_lens[:bs], self.cu_seqlens_q[: bs + 1],
                                      self.max_model_len, True)
             set_attention_metadata(meta)
-            self.model(ids[:bs], positions[:bs])  # warm-up: Triton compiles outside the capture
+            self._forward(bs)  # warm-up: Triton compiles outside the capture
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool):
-                self.outputs[bs] = self.model(ids[:bs], positions[:bs])
+                self._forward(bs)
             pool = graph.pool() if pool is None else pool
             self.graphs[bs] = graph
             set_attention_metadata(None)
@@ -61,6 +70,10 @@ class DecodeGraphs:
         self.capture_seconds = time.time() - start
         print(f"pagefleet: captured {len(self.sizes)} decode CUDA graphs (batch 1..{self.max_batch}) in "
               f"{self.capture_seconds:.1f}s", flush=True)
+
+    def _forward(self, bs: int) -> None:
+        ids, positions, _ = self.tokens
+        self.model.compute_logits(self.model(ids[:bs], positions[:bs]), out=self.logits[:bs])
 
     def fits(self, n: int) -> bool:
         return n <= self.max_batch
@@ -78,10 +91,9 @@ class DecodeGraphs:
         return self.tokens[0, :n]
 
     def replay(self, n: int) -> torch.Tensor:
-        """Run the staged step; -> hidden states [n, hidden] (a view of the graph's output buffer)."""
-        bs = self._padded(n)
-        self.graphs[bs].replay()
-        return self.outputs[bs][:n]
+        """Run the staged step; -> logits [n, vocab] (a view of the static buffer, valid until the next replay)."""
+        self.graphs[self._padded(n)].replay()
+        return self.logits[:n]
 
     def _padded(self, n: int) -> int:
         return next(b for b in self.sizes if b >= n)

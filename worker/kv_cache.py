@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from pagefleet.worker.attention import AttentionMetadata, set_attention_metadata
+from pagefleet.worker.cuda_graphs import static_logits_bytes
 from pagefleet.worker.models import ModelConfig
 
 GiB = 1 << 30
@@ -82,7 +83,7 @@ def size_kv_cache(runner, config, mc: ModelConfig) -> int:
     else:
         peak = profile_peak_bytes(runner, config)
         free, total = torch.cuda.mem_get_info()
-        reserve = 0 if config.enforce_eager else GRAPH_RESERVE_BYTES
+        reserve = 0 if config.enforce_eager else GRAPH_RESERVE_BYTES + static_logits_bytes(mc, config.max_num_seqs, runner.dtype)
         # our share of the card, minus what we already use at peak; never more than is actually free
         available = int(min(total * config.gpu_memory_fraction - peak - reserve, free - reserve - (peak - torch.cuda.memory_allocated())))
         num_blocks = max(available, 0) // per_block

@@ -153,23 +153,29 @@ class ModelRunner:
             input_ids = self.graphs.stage(tokens, seq_lens, tables)
             if feed is not None:
                 self._feed_device_tokens(input_ids, feed)
-            hidden = self.graphs.replay(n)
-        else:  # prefill, mixed, LoRA and over-sized steps: eager
-            dev = self.device
-            tokens_d = torch.from_numpy(tokens).to(dev, non_blocking=True)
-            # The scheduler puts one-token entries first; attention runs them through the decode kernel.
-            num_decodes = 0 if is_decode else next((i for i, k in enumerate(batch.num_new_tokens) if k != 1), n)
-            set_attention_metadata(self._eager_metadata(tokens_d[2], tables, seq_lens, cu, num_decodes, is_decode))
-            set_lora_mapping(lora_mapping)
-            if feed is not None:
-                self._feed_device_tokens(tokens_d[0], feed)
-            hidden = self.model(tokens_d[0], tokens_d[1])
-            set_attention_metadata(None)
-            set_lora_mapping(None)
-        if not logits_rows:  # only unfinished prompt chunks this step: nothing samples
+            logits = self.graphs.replay(n)  # the lm_head is in the graph: logits of every row
+            return self._sampled_rows(logits, logits_rows, compute=False)
+        # prefill, mixed, LoRA and over-sized steps: eager
+        dev = self.device
+        tokens_d = torch.from_numpy(tokens).to(dev, non_blocking=True)
+        # The scheduler puts one-token entries first; attention runs them through the decode kernel.
+        num_decodes = 0 if is_decode else next((i for i, k in enumerate(batch.num_new_tokens) if k != 1), n)
+        set_attention_metadata(self._eager_metadata(tokens_d[2], tables, seq_lens, cu, num_decodes, is_decode))
+        set_lora_mapping(lora_mapping)
+        if feed is not None:
+            self._feed_device_tokens(tokens_d[0], feed)
+        hidden = self.model(tokens_d[0], tokens_d[1])
+        set_attention_metadata(None)
+        set_lora_mapping(None)
+        return self._sampled_rows(hidden, logits_rows, compute=True)
+
+    def _sampled_rows(self, rows: torch.Tensor, logits_rows: list[int], compute: bool) -> torch.Tensor | None:
+        """The rows that sample (None when only unfinished prompt chunks ran), as logits."""
+        if not logits_rows:
             return None
-        rows = hidden if len(logits_rows) == hidden.shape[0] else hidden[torch.tensor(logits_rows, dtype=torch.long, device=self.device)]
-        return self.model.compute_logits(rows)
+        if len(logits_rows) != rows.shape[0]:
+            rows = rows[torch.tensor(logits_rows, dtype=torch.long, device=self.device)]
+        return self.model.compute_logits(rows) if compute else rows
 
     def _eager_metadata(self, slot_mapping, tables, seq_lens, cu, num_decodes: int, is_decode: bool) -> AttentionMetadata:
         """The attention context of an eager step; the first `num_decodes` sequences have one token each."""

@@ -34,8 +34,12 @@ def _skinny(x, weight) -> bool:
                 and weight.dtype == x.dtype and torch.cuda.is_current_stream_capturing())
 
 
-def linear(x, weight, bias=None):
-    return _triton["gemv"].skinny_matmul(x, weight, bias) if _skinny(x, weight) else F.linear(x, weight, bias)
+def linear(x, weight, bias=None, out=None):
+    if _skinny(x, weight):
+        return _triton["gemv"].skinny_matmul(x, weight, bias, out=out)
+    if out is None:
+        return F.linear(x, weight, bias)
+    return torch.addmm(bias, x, weight.t(), out=out) if bias is not None else torch.mm(x, weight.t(), out=out)
 
 
 def linear_silu_and_mul(x, weight, bias=None):

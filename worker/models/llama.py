@@ -131,8 +131,9 @@ class LlamaForCausalLM(nn.Module):
         hidden, _ = self.model.norm(hidden, residual)
         return hidden
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """out: a buffer to write into (the decode graphs' static logits)."""
+        return self.lm_head(hidden) if out is None else ops.linear(hidden, self.lm_head.weight, self.lm_head.bias, out=out)
 
     # ---- weights
 
