@@ -5,8 +5,9 @@ Sections:
               profiler (CUDA graphs on, then eager), device time per step summed by kernel kind, against
               the step's wall time (the difference is launch gaps and host time the GPU waited for)
   mixed       the anchors' mixed workloads (256 requests seed 0, 2048 seed 1) on the same engine
-  attention   paged decode attention alone at batch 1 / 8 / 32, context 640 / 1k / 4k, replayed in a CUDA
-              graph 32 times on 32 block tables (as 32 layers would), over split counts and tile configs
+  attention   paged decode attention alone at batch 1 / 4 / 8 / 16 / 32, context 640 / 1k / 4k, replayed in a
+              CUDA graph 32 times on 32 block tables (as 32 layers would), over split counts, tiles, warps
+              and pipeline stages
 Usage: python benchmarks/decode_profile.py OUT_DIR [sections...]
 """
 
@@ -139,7 +140,7 @@ def attention():
     H, Hkv, D, bs, layers = 32, 8, 128, 16, 32
     copy_bw = copy_bandwidth(1 << 30)
     rows = []
-    for B in (1, 8, 32):
+    for B in (1, 4, 8, 16, 32):
         for ctx in (640, 1024, 4096):
             nb = -(-ctx // bs)
             total = layers * B * nb + 8
@@ -164,15 +165,17 @@ def attention():
                     continue
                 for block_n in (32, 64, 128):
                     for warps in (4, 8):
-                        try:
-                            us = time_graph(launches(num_splits=splits, block_n=block_n, num_warps=warps)) / layers
-                        except Exception as e:  # a tile that does not fit: skip it
-                            print(f"  skip splits={splits} block_n={block_n} warps={warps}: {type(e).__name__}", flush=True)
-                            continue
-                        results[f"splits={splits},block_n={block_n},warps={warps}"] = us
+                        for stages in (1, 2, 3):
+                            cfg = dict(num_splits=splits, block_n=block_n, num_warps=warps, num_stages=stages)
+                            try:
+                                us = time_graph(launches(**cfg)) / layers
+                            except Exception as e:  # a tile that does not fit: skip it
+                                print(f"  skip {cfg}: {type(e).__name__}", flush=True)
+                                continue
+                            results[f"splits={splits},block_n={block_n},warps={warps},stages={stages}"] = us
             best = min((v, k) for k, v in results.items())
             row = {"batch": B, "context": ctx, "default_splits": default_splits, "default_us": results["default"],
-                   "best_us": best[0], "best": best[1], "floor_us": kv_bytes / copy_bw * 1e6,
+                   "best_us": best[0], "best": best[1], "floor_us": kv_bytes / copy_bw * 1e6, "all_us": results,
                    "by_splits": {s: min(v for k, v in results.items() if k.startswith(f"splits={s},")) for s in (1, 2, 4, 8, 16)
                                  if any(k.startswith(f"splits={s},") for k in results)}}
             rows.append(row)

@@ -172,14 +172,14 @@ def decode_config(num_seqs, num_kv_heads):
     split) programs should number about 256. Batch 1 at context 1k: 1 split 22.7 us, 16 splits 7.1 us;
     batch 8: 4 splits (16.5 us at 1k, 41.0 at 4k); batch 32 and up: no split. 128-key tiles won from
     batch 8 to 32 (batch 32 at 1k: 38.7 us against 44.1); from batch 64 the 64-key tile measured best
-    (docs/benchmarks-kernels.md).
+    (docs/benchmarks-kernels.md). 4 warps everywhere: the split 128-key tiles had 8 until a same-process
+    A/B in the engine (decode step at batch 8 / 16, context 640: 4.629 / 4.839 -> 4.583 / 4.809 ms).
     """
     programs = num_seqs * num_kv_heads
     num_splits = 1
     while num_splits < 16 and programs * num_splits * 2 <= 256:
         num_splits *= 2
-    block_n = 128 if 8 <= num_seqs < 64 else 64
-    return num_splits, block_n, 8 if block_n == 128 and num_splits > 1 else 4
+    return num_splits, 128 if 8 <= num_seqs < 64 else 64, 4
 
 
 def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale=None, max_seq_len=None, out=None,
