@@ -13,11 +13,12 @@ import matplotlib.pyplot as plt  # noqa: E402
 VLLM_STATIC = {1: 198.8, 8: 1334, 64: 6595, 128: 8527, 256: 9864}
 HF_STATIC = {1: 15.7, 8: 142, 64: 1110, 128: 2052}
 VLLM_SERVE = {1: 195, 4: 721, 8: 1308, 16: 2216, 32: 3420, 64: 4478}
+RUN = "k"  # the run whose static and serving tables are plotted (docs/benchmarks.md)
 
 
 def main(results: Path, out: Path) -> None:
-    offline = json.loads((results / "h200-run-g-offline.json").read_text())
-    serve = json.loads((results / "h200-run-g-serve.json").read_text())
+    offline = json.loads((results / f"h200-run-{RUN}-offline.json").read_text())
+    serve = json.loads((results / f"h200-run-{RUN}-serve.json").read_text())
     fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
     batches = [1, 8, 64, 128, 256]
     x = range(len(batches))
