@@ -25,6 +25,7 @@ except ImportError:  # not installed: the kernels folder is a package on its own
 from importlib import import_module
 
 A = import_module(K.__name__ + ".attention")
+PA = import_module(K.__name__ + ".prefill_attention")
 KV = import_module(K.__name__ + ".kv_cache")
 NORM = import_module(K.__name__ + ".norm")
 ROPE = import_module(K.__name__ + ".rope")
@@ -165,7 +166,7 @@ def checks():
             cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
             q = torch.randn(sum(q_lens), heads, D, device=DEV).to(DT)
             out = torch.full_like(q, float("nan"))
-            A.paged_prefill_attention(q, kc, vc, bt, sl, cu, out=out, block_m=16 if DRY else None,
+            PA.paged_prefill_attention(q, kc, vc, bt, sl, cu, out=out, block_m=16 if DRY else None,
                                       block_n=16 if DRY else None)
             ref = R.paged_prefill_attention(q.float(), kc.float(), vc.float(), bt, sl, cu)
             check(f"prefill bs={bs} group={heads // HKV} mixed", rel_err(out, ref), tol)
@@ -292,12 +293,12 @@ def prefill():
         out = torch.empty_like(q)
         # causal: query i of a sequence sees prefix + i + 1 keys; 2 matmuls x 2 flop per multiply-add
         flops = sum(4 * H * D * (p * ql + ql * (ql + 1) // 2) for ql, p in zip(q_lens, prefixes))
-        default_ms = bench(lambda: A.paged_prefill_attention(q, kc, vc, bt, sl, cu, out=out))
+        default_ms = bench(lambda: PA.paged_prefill_attention(q, kc, vc, bt, sl, cu, out=out))
         best = (default_ms, "default")
         for bm, bn, w, st in ([] if args.no_sweep else [(16, 16, 4, 2)] if DRY else PREFILL_CONFIGS):
             kw = dict(block_m=bm, block_n=bn, num_warps=w, num_stages=st)
             try:
-                ms = bench(lambda: A.paged_prefill_attention(q, kc, vc, bt, sl, cu, out=out, **kw))
+                ms = bench(lambda: PA.paged_prefill_attention(q, kc, vc, bt, sl, cu, out=out, **kw))
             except Exception as e:  # e.g. out of shared memory for this tile
                 print(f"  {kw}: {type(e).__name__}", flush=True)
                 continue
@@ -306,7 +307,7 @@ def prefill():
                 best = (ms, kw)
         kw = best[1] if isinstance(best[1], dict) else {}
         out.fill_(float("nan"))
-        A.paged_prefill_attention(q, kc, vc, bt, sl, cu, out=out, **kw)
+        PA.paged_prefill_attention(q, kc, vc, bt, sl, cu, out=out, **kw)
         check(f"prefill '{name}' best config",
               rel_err(out, R.paged_prefill_attention(q.float(), kc.float(), vc.float(), bt, sl, cu)),
               2e-5 if DRY else 1e-2)

@@ -2,7 +2,7 @@
 
 The dispatching functions here pick the Triton kernel for CUDA tensors when Triton imports, and the
 reference (reference.py) otherwise, so the engine can call them on any device. The Triton modules
-(attention, kv_cache, norm, rope, activation, greedy, fp8) are imported only on first CUDA use.
+(attention, prefill_attention, kv_cache, norm, rope, activation, greedy, fp8) are imported only on first CUDA use.
 """
 import functools
 import importlib
@@ -44,7 +44,7 @@ _REFERENCE_KWARGS = {"scale", "max_seq_len", "out", "inplace", "eps", "bias", "o
 
 write_kv_cache = _dispatch("kv_cache", "write_kv_cache")
 paged_decode_attention = _dispatch("attention", "paged_decode_attention")
-paged_prefill_attention = _dispatch("attention", "paged_prefill_attention")
+paged_prefill_attention = _dispatch("prefill_attention", "paged_prefill_attention")
 rms_norm = _dispatch("norm", "rms_norm")
 fused_add_rms_norm = _dispatch("norm", "fused_add_rms_norm")
 apply_rope = _dispatch("rope", "apply_rope")

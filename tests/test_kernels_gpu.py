@@ -65,14 +65,14 @@ def test_decode_merge_in_a_graph_at_batch_1():
 
 @pytest.mark.parametrize("group", [1, 4])
 def test_prefill_bf16(group):
-    from pagefleet.kernels import attention
+    from pagefleet.kernels import prefill_attention
 
     q_lens, prefixes = [700, 300, 1, 1, 0], [0, 900, 40, 2000, 5]
     kc, vc, bt, sl = paged([a + b for a, b in zip(q_lens, prefixes)], 8, 128, 16)
     cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
     q = torch.randn(sum(q_lens), 8 * group, 128, device="cuda", dtype=BF)
     out = torch.full_like(q, float("nan"))
-    attention.paged_prefill_attention(q, kc, vc, bt, sl, cu, out=out)
+    prefill_attention.paged_prefill_attention(q, kc, vc, bt, sl, cu, out=out)
     close(out, ref.paged_prefill_attention(q.float(), kc.float(), vc.float(), bt, sl, cu), BF)
 
 

@@ -12,9 +12,9 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="interpreter tests: run by test_kernels.py in a child process")
 if os.environ.get("TRITON_INTERPRET") == "1":
     triton = pytest.importorskip("triton")
-    from pagefleet.kernels import activation, attention, greedy, fp8, gemv, kv_cache, norm, rope
+    from pagefleet.kernels import activation, attention, fp8, gemv, greedy, kv_cache, norm, prefill_attention, rope
     TK = {"attention": attention, "kv_cache": kv_cache, "norm": norm, "rope": rope, "activation": activation,
-          "fp8": fp8, "gemv": gemv, "greedy": greedy}
+          "fp8": fp8, "gemv": gemv, "greedy": greedy, "prefill_attention": prefill_attention}
 
 from pagefleet.kernels import reference as ref
 from test_kernels import DTYPES, close, make_paged
@@ -75,7 +75,7 @@ def test_triton_prefill_attention(dtype, group):
     q = torch.randn(sum(q_lens), 2 * group, 32, generator=gen).to(dtype)
     expected = ref.paged_prefill_attention(q.float(), k_cache.float(), v_cache.float(), bt, seq_lens, cu)
     out = torch.full_like(q, float("nan"))
-    TK["attention"].paged_prefill_attention(q, k_cache, v_cache, bt, seq_lens, cu, out=out, block_m=16, block_n=16)
+    TK["prefill_attention"].paged_prefill_attention(q, k_cache, v_cache, bt, seq_lens, cu, out=out, block_m=16, block_n=16)
     close(out, expected, dtype)
 
 
@@ -182,7 +182,7 @@ def test_triton_attention_odd_shapes(block_size):
     cu = torch.tensor([0, 45, 48], dtype=torch.int32)
     q = torch.randn(48, 6, 24, generator=gen)
     expected = ref.paged_prefill_attention(q, k_cache, v_cache, bt, seq_lens, cu)
-    close(TK["attention"].paged_prefill_attention(q, k_cache, v_cache, bt, seq_lens, cu, block_m=16, block_n=32),
+    close(TK["prefill_attention"].paged_prefill_attention(q, k_cache, v_cache, bt, seq_lens, cu, block_m=16, block_n=32),
           expected, torch.float32)
 
 

@@ -18,10 +18,10 @@ def use_triton(enabled: bool) -> None:
     if not enabled:
         _triton = None
         return
-    from pagefleet.kernels import activation, attention, greedy, gemv, kv_cache, norm, rope
+    from pagefleet.kernels import activation, attention, gemv, greedy, kv_cache, norm, prefill_attention, rope
 
     _triton = {"attention": attention, "kv_cache": kv_cache, "norm": norm, "rope": rope, "activation": activation, "gemv": gemv,
-               "greedy": greedy}
+               "greedy": greedy, "prefill_attention": prefill_attention}
 
 
 SKINNY_MAX_ROWS = 16  # up to this many tokens a linear is a weight read: our GEMV beat cuBLAS there (docs/benchmarks-kernels.md)
@@ -91,7 +91,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, m
 
 
 def paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, max_seq_len, out=None):
-    impl = _triton["attention"] if _triton else ref
+    impl = _triton["prefill_attention"] if _triton else ref
     return impl.paged_prefill_attention(
         q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale=scale, max_seq_len=max_seq_len, out=out
     )
