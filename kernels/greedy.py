@@ -22,7 +22,7 @@ def _argmax_kernel(logits_ptr, out_ptr, part_val_ptr, part_idx_ptr, counts_ptr, 
     start = c * chunk
     stop = tl.minimum(start + chunk, V)
     best_val = float("-inf")
-    best_idx = stop  # an empty chunk never wins: its value stays -inf and any real index is lower
+    best_idx = start  # stays when every value is -inf: the first index of the chunk's max, as torch
     for k0 in range(start, stop, BLOCK):
         offs = k0 + tl.arange(0, BLOCK)
         x = tl.load(logits_ptr + row * stride_row + offs, mask=offs < stop, other=float("-inf")).to(tl.float32)

@@ -143,14 +143,15 @@ def test_triton_silu_and_mul(dtype):
 @pytest.mark.parametrize("num_chunks", [None, 1, 3])
 def test_triton_argmax(dtype, num_chunks):
     """First index of the maximum per row, as torch.argmax: ties across chunks and within a block, a NaN,
-    the last index, a row whose tail block is partial; twice, so the per-row counters must be back at 0."""
+    the last index, a row of -inf, a partial tail block; twice, so the per-row counters must be back at 0."""
     gen = torch.Generator().manual_seed(12)
     for _ in range(2):
-        x = torch.randn(5, 1000, generator=gen).to(dtype)
+        x = torch.randn(6, 1000, generator=gen).to(dtype)
         x[1, [70, 900]] = 9.0  # a tie in different chunks: the first wins
         x[2, [3, 4]] = 9.0  # a tie inside one block
         x[3, 500] = float("nan")
         x[4, 999] = 9.0
+        x[5] = float("-inf")  # every logit banned: index 0, as torch
         got = TK["greedy"].argmax(x, num_chunks=num_chunks, block=64)
         assert got.dtype == torch.int64 and torch.equal(got, ref.argmax(x)), (got, ref.argmax(x))
     assert not TK["greedy"]._workspace_by_device[x.device][0].any()
