@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,18 +21,14 @@ import openai
 import pytest
 import yaml
 
+import control_plane
+
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.e2e
 
 SERVED = "smol-gw"
 MASTER_KEY = "sk-pagefleet-k8s"
 READY_TIMEOUT = 600  # workers load the bundled model on a small shared CPU
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _start(cmd: list[str], env: dict, log_path: Path) -> subprocess.Popen:
@@ -71,7 +66,7 @@ def setup(cluster, tmp_path_factory):
     ns = f"pf-gw-{uuid.uuid4().hex[:6]}"
     cluster.kubectl("create", "namespace", ns)
     operator = _start([sys.executable, "-m", "pagefleet", "operator", "--namespace", ns], env, tmp / "operator.log")
-    port = _free_port()
+    port = control_plane.free_port()
     gateway = _start([sys.executable, "-m", "pagefleet", "gateway", "--kubernetes", "--namespace", ns,
                       "--host", "127.0.0.1", "--port", str(port), "--master-key", MASTER_KEY,
                       "--probe-interval-ms", "200"], env, tmp / "gateway.log")

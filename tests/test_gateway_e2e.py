@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -20,6 +19,8 @@ import time
 import httpx
 import openai
 import pytest
+
+from ports import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -32,11 +33,6 @@ BUSY_REQUESTS = 10
 ROUNDS = 3  # bursts per strategy, pooled
 BURST = 6
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Proc:
@@ -91,14 +87,14 @@ class Proc:
 
 
 def worker(tmp, i: int) -> Proc:
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "pagefleet", "serve", "--host", "127.0.0.1", "--port", str(port),
            "--served-model-name", MODEL, *WORKER_FLAGS]
     return Proc(tmp / f"worker{i}.log", cmd, port, "/ready")
 
 
 def gateway(tmp, name: str, workers: list[Proc], routing: str) -> Proc:
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "pagefleet", "gateway", "--host", "127.0.0.1", "--port", str(port),
            "--master-key", MASTER_KEY, "--served-model-name", MODEL, "--routing", routing,
            "--probe-interval-ms", "100", *[a for w in workers for a in ("--worker", w.url)]]

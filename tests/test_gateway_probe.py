@@ -5,7 +5,6 @@ the test so the bookkeeping (unreflected sends, down/up) can be checked exactly.
 """
 
 import asyncio
-import socket
 
 import httpx
 import prometheus_client
@@ -16,12 +15,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from pagefleet.gateway.probe import Prober
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from ports import free_port
 
 
 @pytest.fixture

@@ -11,7 +11,6 @@ import asyncio
 import json
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,8 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from ports import free_port
+
 pytestmark = pytest.mark.slow
 
 KEY = "test-key"
@@ -28,15 +29,10 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 ERROR_FIELDS = {"message", "type", "param", "code"}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 class Server:
     def __init__(self, log_path, *flags: str):
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self.log = open(log_path, "w")
