@@ -154,7 +154,7 @@ class ModelRunner:
             if feed is not None:
                 self._feed_device_tokens(input_ids, feed)
             logits = self.graphs.replay(n)  # the lm_head is in the graph: logits of every row
-            return self._sampled_rows(logits, logits_rows, compute=False)
+            return self._sampled_rows(logits, logits_rows)
         # prefill, mixed, LoRA and over-sized steps: eager
         dev = self.device
         tokens_d = torch.from_numpy(tokens).to(dev, non_blocking=True)
@@ -167,15 +167,17 @@ class ModelRunner:
         hidden = self.model(tokens_d[0], tokens_d[1])
         set_attention_metadata(None)
         set_lora_mapping(None)
-        return self._sampled_rows(hidden, logits_rows, compute=True)
+        rows = self._sampled_rows(hidden, logits_rows)
+        return None if rows is None else self.model.compute_logits(rows)
 
-    def _sampled_rows(self, rows: torch.Tensor, logits_rows: list[int], compute: bool) -> torch.Tensor | None:
-        """The rows that sample (None when only unfinished prompt chunks ran), as logits."""
+    def _sampled_rows(self, x: torch.Tensor, logits_rows: list[int]) -> torch.Tensor | None:
+        """The rows of x (hidden states or logits) whose sequences sample; None when only unfinished
+        prompt chunks ran."""
         if not logits_rows:
             return None
-        if len(logits_rows) != rows.shape[0]:
-            rows = rows[torch.tensor(logits_rows, dtype=torch.long, device=self.device)]
-        return self.model.compute_logits(rows) if compute else rows
+        if len(logits_rows) == x.shape[0]:
+            return x
+        return x[torch.tensor(logits_rows, dtype=torch.long, device=self.device)]
 
     def _eager_metadata(self, slot_mapping, tables, seq_lens, cu, num_decodes: int, is_decode: bool) -> AttentionMetadata:
         """The attention context of an eager step; the first `num_decodes` sequences have one token each."""
