@@ -34,7 +34,6 @@ ROUNDS = 3  # bursts per strategy, pooled
 BURST = 6
 
 
-
 class Proc:
     """A child process with its log, started by the command and ready when `ready_path` answers 200."""
 
