@@ -41,14 +41,21 @@ def _tile(acc, x_ptr, w_ptr, x_rows, m_mask, w_rows, k0, k_stop, BLOCK_K: tl.con
     return tl.dot(x.to(w.dtype), tl.trans(w), acc, input_precision=PRECISION)
 
 
-@triton.jit(do_not_specialize=["M"])  # batch sizes up to M_PAD share one compile
-def _skinny_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, k_per_split, stride_xm, stride_wn, stride_om,
+@triton.jit(do_not_specialize=["M", "n_sumsq"])  # batch sizes up to M_PAD share one compile
+def _skinny_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, sumsq_ptr, res_ptr, sumsq_out_ptr, M, N, K, k_per_split,
+                   stride_xm, stride_wn, stride_om, stride_rm, n_sumsq, eps,
                    HAS_BIAS: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   GATED: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+                   GATED: tl.constexpr, RMS_IN: tl.constexpr, SUMSQ_PAD: tl.constexpr, ADD_RESIDUAL: tl.constexpr,
+                   UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     """Program (n tile, k split): out rows of this split = x[:, split] @ weight[n tile, split].T (+ bias).
 
     GATED: weight packs [gate; up] (2N rows) and out = silu(x @ gate.T) * (x @ up.T), [M, N]: the program
     reads the matching gate and up rows, so the gated MLP's activation needs no launch of its own.
+    RMS_IN: x is an RMSNorm's input (the norm's weight folded into this weight's columns) and each row of
+    the product is scaled by rsqrt(mean(x_row**2) + eps), from the n_sumsq partial sums of squares [n, M]
+    that the GEMV which wrote x left behind.
+    ADD_RESIDUAL: out = residual + product (rounded as HF adds), and this program stores its columns' sums of
+    squares of each out row at sumsq_out[pid_n, :], for the RMS_IN GEMV that reads out next.
     """
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -66,6 +73,10 @@ def _skinny_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, k_per_split, stride
     k_full = k_start + (k_stop - k_start) // BLOCK_K * BLOCK_K
     acc = tl.zeros([M_PAD, BLOCK_N], dtype=tl.float32)
     n_mask = offs_n < N
+    if RMS_IN:  # loaded before the weight stream, used after it: its latency hides behind the loop
+        offs_s = tl.arange(0, SUMSQ_PAD)
+        partials = tl.load(sumsq_ptr + offs_s[:, None] * M + offs_m[None, :],
+                           mask=(offs_s[:, None] < n_sumsq) & m_mask[None, :], other=0.0)
     # Two loops, not one with an optional second accumulator: the plain GEMV keeps exactly the loop that
     # was measured (a restructured one, for the PDL experiment in docs/benchmarks.md, ran slower).
     if GATED:
@@ -83,6 +94,11 @@ def _skinny_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, k_per_split, stride
             acc = _tile(acc, x_ptr, w_ptr, x_rows, m_mask, w_rows, k0, k_stop, BLOCK_K, False, UPCAST, PRECISION)
         if k_full < k_stop:
             acc = _tile(acc, x_ptr, w_ptr, x_rows, m_mask, w_rows, k_full, k_stop, BLOCK_K, True, UPCAST, PRECISION)
+    if RMS_IN:  # sum(x_k * rstd * g_k * w_nk) = rstd * sum(x_k * (g_k * w_nk)): the norm costs one multiply
+        rstd = tl.rsqrt(tl.sum(partials, axis=0) / K + eps)
+        acc *= rstd[:, None]
+        if GATED:
+            acc_up *= rstd[:, None]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
         if GATED:
@@ -90,10 +106,15 @@ def _skinny_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, k_per_split, stride
     if GATED:  # as the unfused path: both products rounded to the model dtype, then silu(gate) * up in fp32
         gate = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
         acc = gate / (1.0 + tl.exp(-gate)) * acc_up.to(out_ptr.dtype.element_ty).to(tl.float32)
+    out_mask = m_mask[:, None] & n_mask[None, :]
+    if ADD_RESIDUAL:  # as HF: the product rounded to the model dtype, then the sum rounded
+        res = tl.load(res_ptr + offs_m[:, None] * stride_rm + offs_n[None, :], mask=out_mask, other=0.0)
+        acc = (acc.to(out_ptr.dtype.element_ty).to(tl.float32) + res.to(tl.float32)).to(out_ptr.dtype.element_ty)
+        acc = tl.where(out_mask, acc.to(tl.float32), 0.0)
+        tl.store(sumsq_out_ptr + pid_n * M + offs_m, tl.sum(acc * acc, axis=1), mask=m_mask)
     # With split-K, out is the fp32 workspace [split_k, M, N] (stride_om = N) and this split writes its slab.
     rows = pid_k * M + offs_m
-    tl.store(out_ptr + rows[:, None] * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=m_mask[:, None] & n_mask[None, :])
+    tl.store(out_ptr + rows[:, None] * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
 @triton.jit(do_not_specialize=["M", "split_k"])
@@ -131,7 +152,7 @@ def default_config(M, N, K, num_sms=132):
 
 
 def skinny_matmul(x, weight, bias=None, out=None, block_n=None, block_k=None, num_warps=None, num_stages=None,
-                  split_k=None, gated=False):
+                  split_k=None, gated=False, sumsq=None, eps=0.0, residual=None):
     """x [M, K] @ weight [N, K].T (+ bias [N]) -> [M, N] in x.dtype, fp32 accumulation.
 
     weight is nn.Linear's, row-major, same dtype as x; x and out need a contiguous last dim. Built for
@@ -140,6 +161,10 @@ def skinny_matmul(x, weight, bias=None, out=None, block_n=None, block_k=None, nu
     (chosen over fp32 atomics, which need a zeroed buffer, a third launch for the cast, and add in
     arbitrary order).
     gated=True: weight (and bias) pack [gate; up], and the result is silu(gate) * up, [M, N // 2].
+    sumsq [n, M] fp32 (an RMSNorm folded in): x is the norm's input, the norm's weight is already in weight's
+    columns, and sumsq holds partial sums of x's squared rows; the product is scaled by each row's rstd.
+    residual [M, N]: -> (residual + product, its rows' partial sums of squares [n, M]), the sumsq of the
+    next GEMV (LlamaForCausalLM.forward_folded).
     """
     M, K = x.shape
     N = weight.shape[0] // 2 if gated else weight.shape[0]
@@ -159,8 +184,8 @@ def skinny_matmul(x, weight, bias=None, out=None, block_n=None, block_k=None, nu
         given or default for given, default in zip((block_n, block_k, num_warps, num_stages, split_k), defaults))
     if block_n < 16 or block_k < 16:
         raise ValueError(f"block_n={block_n}, block_k={block_k}: tl.dot needs 16 or more")
-    if gated and split_k > 1:
-        raise ValueError("gated=True needs split_k=1: silu applies to the whole sum")
+    if split_k > 1 and (gated or sumsq is not None or residual is not None):
+        raise ValueError("gated, sumsq and residual need split_k=1: they apply to the whole sum")
     # Whole BLOCK_K tiles per split, and no empty split.
     k_per_split = triton.cdiv(triton.cdiv(max(K, 1), split_k), block_k) * block_k
     split_k = triton.cdiv(max(K, 1), k_per_split)
@@ -168,10 +193,21 @@ def skinny_matmul(x, weight, bias=None, out=None, block_n=None, block_k=None, nu
         dest, stride_om = torch.empty(split_k, M, N, dtype=torch.float32, device=x.device), N
     else:
         dest, stride_om = out, out.stride(0)
-    _skinny_kernel[(triton.cdiv(N, block_n), split_k)](
-        x, weight, bias if bias is not None else x, dest, M, N, K, k_per_split, x.stride(0), weight.stride(0),
-        stride_om, HAS_BIAS=bias is not None and split_k == 1, M_PAD=max(16, triton.next_power_of_2(M)),
-        BLOCK_N=block_n, BLOCK_K=block_k, GATED=gated, UPCAST=not x.is_cuda,
+    grid_n = triton.cdiv(N, block_n)
+    if sumsq is not None:
+        assert sumsq.dtype == torch.float32 and sumsq.is_contiguous() and sumsq.shape[1] == M
+    if residual is not None:
+        assert residual.shape == (M, N) and residual.stride(-1) == 1 and not gated
+        sumsq_out = torch.empty(grid_n, M, dtype=torch.float32, device=x.device)
+    _skinny_kernel[(grid_n, split_k)](
+        x, weight, bias if bias is not None else x, dest, sumsq if sumsq is not None else x,
+        residual if residual is not None else x, sumsq_out if residual is not None else x, M, N, K, k_per_split,
+        x.stride(0), weight.stride(0), stride_om, residual.stride(0) if residual is not None else 0,
+        sumsq.shape[0] if sumsq is not None else 0, eps,
+        HAS_BIAS=bias is not None and split_k == 1, M_PAD=max(16, triton.next_power_of_2(M)),
+        BLOCK_N=block_n, BLOCK_K=block_k, GATED=gated, RMS_IN=sumsq is not None,
+        SUMSQ_PAD=triton.next_power_of_2(sumsq.shape[0]) if sumsq is not None else 1,
+        ADD_RESIDUAL=residual is not None, UPCAST=not x.is_cuda,
         PRECISION="ieee" if weight.dtype == torch.float32 else "tf32",  # fp32 weights: no silent tf32
         num_warps=num_warps, num_stages=num_stages)
     if split_k > 1:
@@ -179,4 +215,4 @@ def skinny_matmul(x, weight, bias=None, out=None, block_n=None, block_k=None, nu
         _split_reduce_kernel[(triton.cdiv(N, block), M)](
             dest, bias if bias is not None else dest, out, M, N, split_k, out.stride(0), HAS_BIAS=bias is not None,
             BLOCK=block, num_warps=4)
-    return out
+    return (out, sumsq_out) if residual is not None else out

@@ -176,15 +176,28 @@ def rope_and_write_kv(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_
 # ---------------------------------------------------------------- skinny matmul (decode linears)
 
 
-def skinny_matmul(x, weight, bias=None, gated=False):
+def skinny_matmul(x, weight, bias=None, gated=False, sumsq=None, eps=0.0, residual=None):
     """x [M, K] @ weight [N, K].T (+ bias [N]) -> [M, N] in x.dtype: fp32 math, rounded once.
 
     gated=True: weight packs [gate; up] and the result is silu_and_mul of the product, [M, N // 2].
+    sumsq [n, M]: partial sums of x's squared rows; each product row is scaled by rsqrt(mean square + eps)
+    (an RMSNorm whose weight was folded into weight's columns).
+    residual [M, N]: -> (residual + product, the new rows' sums of squares as one partial [1, M]).
     """
     y = x.float() @ weight.float().t()
+    if sumsq is not None:
+        y = y * torch.rsqrt(sumsq.sum(0) / x.shape[1] + eps)[:, None]
     if bias is not None:
         y = y + bias.float()
+    if residual is not None:
+        out = y.to(x.dtype) + residual  # added in the model dtype, as HF does
+        return out, row_sum_squares(out)
     return silu_and_mul(y.to(x.dtype)) if gated else y.to(x.dtype)
+
+
+def row_sum_squares(x):
+    """x [M, K] -> [1, M] fp32: each row's sum of squares, as one partial (the sumsq of skinny_matmul)."""
+    return x.float().square().sum(-1)[None]
 
 
 # ---------------------------------------------------------------- greedy token choice

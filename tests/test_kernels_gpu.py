@@ -129,6 +129,24 @@ def test_skinny_matmul_bf16(shape, M):
 
 
 @pytest.mark.parametrize("M", [1, 4, 16])
+def test_folded_norm_gemvs_bf16(M):
+    """Llama-3.1-8B's o_proj adding into the stream, then gate_up reading it through a folded RMSNorm
+    (LlamaForCausalLM.forward_folded), against the references of the unfolded layer."""
+    from pagefleet.kernels import gemv
+
+    H, I = LLAMA_8B_LINEARS["o_proj"][0], LLAMA_8B_LINEARS["gate_up"][0] // 2
+    x, residual = torch.randn(M, H, device="cuda", dtype=BF), torch.randn(M, H, device="cuda", dtype=BF)
+    wo = (torch.randn(H, H, device="cuda") / H**0.5).to(BF)
+    h, sumsq = gemv.skinny_matmul(x, wo, residual=residual)
+    close(h, ref.skinny_matmul(x.float(), wo.float(), residual=residual.float())[0], BF)
+    close(sumsq.sum(0), h.float().square().sum(-1), torch.float32)
+    g = 1 + 0.2 * torch.randn(H, device="cuda")
+    w_gu = torch.randn(2 * I, H, device="cuda") / H**0.5
+    got = gemv.skinny_matmul(h, (w_gu * g).to(BF), sumsq=sumsq, eps=1e-5, gated=True)
+    close(got, ref.skinny_matmul(ref.rms_norm(h.float(), g, 1e-5), w_gu, gated=True), BF)
+
+
+@pytest.mark.parametrize("M", [1, 4, 16])
 def test_gated_skinny_matmul_bf16(M):
     """Llama-3.1-8B's gate_up with the activation fused: against the reference, and the same bits as
     the GEMV followed by the silu-and-mul kernel."""

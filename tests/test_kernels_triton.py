@@ -223,6 +223,34 @@ def test_triton_gemv_gated(dtype, M, K):
         TK["gemv"].skinny_matmul(x, w, gated=True, split_k=2)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("M", [1, 5])
+def test_triton_gemv_folded_norm(dtype, M):
+    """residual=: out = residual + x @ w.T + bias, and each program's sums of out's squared rows over its
+    columns. sumsq=: the GEMV after it, with an RMSNorm's weight g folded into its weight, equals the GEMV
+    of rms_norm(out, g), plain and gated. N = 70: five 16-row programs, the last one partial."""
+    gen = torch.Generator().manual_seed(14)
+    x, w = torch.randn(M, 100, generator=gen).to(dtype), torch.randn(70, 100, generator=gen).to(dtype)
+    bias, residual = torch.randn(70, generator=gen).to(dtype), torch.randn(M, 70, generator=gen).to(dtype)
+    out, sumsq = TK["gemv"].skinny_matmul(x, w, bias, block_n=16, block_k=32, residual=residual)
+    expected, _ = ref.skinny_matmul(x.float(), w.float(), bias.float(), residual=residual.float())
+    close(out, expected, dtype)
+    assert sumsq.shape == (5, M) and sumsq.dtype == torch.float32
+    close(sumsq.sum(0), out.float().square().sum(-1), torch.float32)
+
+    g, eps = 1 + 0.5 * torch.randn(70, generator=gen), 1e-5
+    w2 = torch.randn(2 * 40, 70, generator=gen)
+    folded = (w2 * g).to(dtype)
+    normed = ref.rms_norm(out.float(), g, eps)
+    got = torch.full((M, 80), float("nan"), dtype=dtype)
+    TK["gemv"].skinny_matmul(out, folded, out=got, sumsq=sumsq, eps=eps, block_n=16, block_k=32)
+    close(got, ref.skinny_matmul(normed, w2), dtype)
+    gated = TK["gemv"].skinny_matmul(out, folded, sumsq=sumsq, eps=eps, gated=True, block_n=16, block_k=32)
+    close(gated, ref.skinny_matmul(normed, w2, gated=True), dtype)
+    with pytest.raises(ValueError):
+        TK["gemv"].skinny_matmul(x, w, residual=residual, split_k=2)
+
+
 def test_triton_gemv_strided_and_defaults():
     """x and out as row views of wider buffers; the default config; M = 1 with a 64-wide K tile."""
     gen = torch.Generator().manual_seed(12)
