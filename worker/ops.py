@@ -27,11 +27,17 @@ def use_triton(enabled: bool) -> None:
 SKINNY_MAX_ROWS = 16  # up to this many tokens a linear is a weight read: our GEMV beat cuBLAS there (docs/benchmarks-kernels.md)
 
 
-def _skinny(x, weight) -> bool:
-    # Only inside a CUDA graph capture: a Triton launch costs the host far more than a cuBLAS call
-    # (--enforce-eager at batch 1 went from ~14 to ~49 ms a step), and a graph replays it for free.
+def skinny_rows(x) -> bool:
+    """True where linears of these rows go to our GEMV: a graph capture of a few half-precision rows.
+
+    Only inside a CUDA graph capture: a Triton launch costs the host far more than a cuBLAS call
+    (--enforce-eager at batch 1 went from ~14 to ~49 ms a step), and a graph replays it for free."""
     return bool(_triton and x.shape[0] <= SKINNY_MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16)
-                and weight.dtype == x.dtype and torch.cuda.is_current_stream_capturing())
+                and torch.cuda.is_current_stream_capturing())
+
+
+def _skinny(x, weight) -> bool:
+    return skinny_rows(x) and weight.dtype == x.dtype
 
 
 def linear(x, weight, bias=None, out=None):
@@ -42,12 +48,36 @@ def linear(x, weight, bias=None, out=None):
     return torch.addmm(bias, x, weight.t(), out=out) if bias is not None else torch.mm(x, weight.t(), out=out)
 
 
-def linear_silu_and_mul(x, weight, bias=None):
+def linear_silu_and_mul(x, weight, bias=None, sumsq=None, eps=0.0):
     """The gated MLP's first half: silu_and_mul(linear(x, [gate; up])). In a decode graph one GEMV does
-    both (the activation in its epilogue); elsewhere a GEMM, then the activation kernel."""
+    both (the activation in its epilogue); elsewhere a GEMM, then the activation kernel.
+    sumsq: x is a folded norm's input, as in linear_normed."""
+    if sumsq is not None:
+        return _gemv().skinny_matmul(x, weight, bias, gated=True, sumsq=sumsq, eps=eps)
     if _skinny(x, weight):
         return _triton["gemv"].skinny_matmul(x, weight, bias, gated=True)
     return silu_and_mul(F.linear(x, weight, bias))
+
+
+# The folded-norm decode path (LlamaForCausalLM.forward_folded): our GEMV on CUDA, the references elsewhere.
+def _gemv():
+    return _triton["gemv"] if _triton else ref
+
+
+def linear_normed(x, weight, bias, sumsq, eps):
+    """linear(rms_norm(x)) where the norm's weight is folded into weight's columns and sumsq [n, M] holds
+    partial sums of x's squared rows: the norm is a per-row scale of the product, not a launch."""
+    return _gemv().skinny_matmul(x, weight, bias, sumsq=sumsq, eps=eps)
+
+
+def linear_add(x, weight, bias, residual):
+    """-> (residual + linear(x), partial sums of its squared rows [n, M]) for the linear_normed after it."""
+    return _gemv().skinny_matmul(x, weight, bias, residual=residual)
+
+
+def row_sum_squares(x):
+    """x [M, K] -> [1, M] fp32: the sumsq of rows no GEMV wrote (the embeddings)."""
+    return ref.row_sum_squares(x)
 
 
 def argmax(logits):
