@@ -71,8 +71,8 @@ def make_checkpoint(name: str, folder: str, num_layers: int | None = None, std: 
             current, size = {}, 0
 
     for tname, shape in tensor_shapes(config).items():
-        if len(shape) == 1:
-            t = torch.ones(shape, dtype=torch.bfloat16)
+        if len(shape) == 1:  # norm weights near 1, not exactly 1: the engine folds them into the next linears
+            t = (1 + 0.2 * torch.randn(shape, device="cuda", generator=gen, dtype=torch.float32)).to(torch.bfloat16).cpu()
         else:
             t = (torch.randn(shape, device="cuda", generator=gen, dtype=torch.float32) * std).to(torch.bfloat16).cpu()
         current[tname] = t

@@ -36,6 +36,10 @@ def tiny_model(arch: str, folder: Path) -> Path:
         config, cls = Qwen3Config(**common, head_dim=32), Qwen3ForCausalLM
     torch.manual_seed(0)
     model = cls(config).eval()
+    with torch.no_grad():  # transformers initialises norm weights to 1: make them count (the GPU engine folds them)
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.normal_(1.0, 0.3)
     if arch == "qwen2":  # Qwen2 has q/k/v biases: make them count
         with torch.no_grad():
             for layer in model.model.layers:
