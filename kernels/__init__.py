@@ -40,7 +40,7 @@ def _dispatch(module, name):
 
 
 # Tuning knobs (block_n, num_splits, ...) only mean something to the Triton launchers.
-_REFERENCE_KWARGS = {"scale", "max_seq_len", "out", "inplace", "eps", "bias", "out_dtype"}
+_REFERENCE_KWARGS = {"scale", "max_seq_len", "out", "inplace", "eps", "bias", "out_dtype", "new_kv"}
 
 write_kv_cache = _dispatch("kv_cache", "write_kv_cache")
 paged_decode_attention = _dispatch("attention", "paged_decode_attention")

@@ -38,8 +38,15 @@ def gather_kv(cache, block_table, length):
     return cache[blocks].flatten(0, 1)[:length]
 
 
-def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale=None, max_seq_len=None, out=None):
-    """One query token per sequence: q [B, H, D] -> [B, H, D], batched over all sequences."""
+def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale=None, max_seq_len=None, out=None,
+                           new_kv=None):
+    """One query token per sequence: q [B, H, D] -> [B, H, D], batched over all sequences.
+
+    new_kv=(k, v, positions, cos_sin_cache, slot_mapping): q and k are before RoPE; rope_and_write_kv first.
+    """
+    if new_kv is not None:
+        k, v, positions, cos_sin_cache, slot_mapping = new_kv
+        q = rope_and_write_kv(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping)
     B, H, D = q.shape
     block_size, Hkv = k_cache.shape[1], k_cache.shape[2]
     group = H // Hkv

@@ -32,6 +32,23 @@ def _rope_rows(x_ptr, out_ptr, token, cos, sin, num_heads, stride_xt, stride_xh,
 
 
 @triton.jit
+def rotate_tile(x, row_ptrs, row_mask, cos_sin_row, offs_d, HALF_ROT: tl.constexpr):
+    """x [rows, dims], loaded from row_ptrs[:, None] + offs_d[None, :], rotated at one position whose cos/sin
+    row starts at cos_sin_row; -> x's dtype. Each dim's rotation partner is loaded here (a second read of
+    the same cache lines), so the caller keeps its own layout. Dims past 2 * HALF_ROT pass through. The
+    same arithmetic as _rope_rows, for the decode attention that rotates its own q and new key."""
+    lo = offs_d < HALF_ROT
+    rot = offs_d < 2 * HALF_ROT
+    pair = tl.where(lo, offs_d, offs_d - HALF_ROT)
+    partner = tl.load(row_ptrs[:, None] + tl.where(lo, offs_d + HALF_ROT, offs_d - HALF_ROT)[None, :],
+                      mask=row_mask[:, None] & rot[None, :], other=0.0).to(tl.float32)
+    cos = tl.load(cos_sin_row + pair, mask=rot, other=1.0).to(tl.float32)[None, :]
+    sin = tl.load(cos_sin_row + HALF_ROT + pair, mask=rot, other=0.0).to(tl.float32)[None, :]
+    xf = x.to(tl.float32)
+    return tl.where(lo[None, :], xf * cos - partner * sin, xf * cos + partner * sin).to(x.dtype)
+
+
+@triton.jit
 def _rope_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, positions_ptr, cache_ptr, num_q_heads, num_k_heads,
                  stride_qt, stride_qh, stride_kt, stride_kh, stride_qot, stride_qoh, stride_kot, stride_koh,
                  stride_cache, v_ptr, v_cache_ptr, slot_mapping_ptr, stride_vt, stride_vh, stride_cb, stride_vcb,

@@ -63,6 +63,39 @@ def test_decode_merge_in_a_graph_at_batch_1():
         close(out, ref.paged_decode_attention(q.float(), kc.float(), vc.float(), bt, sl), BF)
 
 
+@pytest.mark.parametrize("batch", [1, 8, 24, 64])  # 16, 4, 2 and 1 splits by default
+def test_decode_with_rope_bf16(batch):
+    """new_kv=: RoPE (llama3 scaling) and the cache write in the decode launch, against rope_and_write_kv
+    followed by the decode attention, at the 8B shape. The values are copied bit for bit; a rotated key may
+    differ by one bf16 rounding step (the two kernels' fp32 products can fuse into FMAs differently)."""
+    from pagefleet.kernels import attention, rope
+
+    lens = torch.randint(1, 3000, (batch,)).tolist()
+    kc, vc, bt, sl = paged(lens, 8, 128, 16)
+    positions = sl.long() - 1
+    slots = torch.stack([bt[b, p // 16].long() * 16 + p % 16 for b, p in enumerate(positions)])
+    slots[batch // 2] = -1  # a padding row writes nothing
+    cos_sin = ref.rope_cos_sin_cache(128, 4096, 500000.0, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}, device="cuda")
+    qkv = torch.randn(batch, 48 * 128, device="cuda", dtype=BF)
+    q, k, v = (t.view(batch, -1, 128) for t in qkv.split([32 * 128, 8 * 128, 8 * 128], dim=-1))
+    caches = (kc.clone(), vc.clone())
+    expected = attention.paged_decode_attention(rope.rope_and_write_kv(q, k, v, positions, cos_sin, *caches, slots), *caches,
+                                                bt, sl)
+    out = torch.full_like(q, float("nan"))
+    attention.paged_decode_attention(q, kc, vc, bt, sl, out=out, new_kv=(k, v, positions, cos_sin, slots))
+    assert torch.equal(vc, caches[1])
+    written = slots[slots >= 0]
+    got_k, want_k = (c.flatten(0, 1)[written].float() for c in (kc, caches[0]))
+    assert ((got_k - want_k).abs() <= want_k.abs() * 2**-7).all()  # within one bf16 step
+    others = torch.ones(kc.shape[0] * kc.shape[1], dtype=torch.bool, device="cuda")
+    others[written] = False
+    assert torch.equal(kc.flatten(0, 1)[others], caches[0].flatten(0, 1)[others])  # nothing else written
+    close(out, expected, BF)
+    close(out, ref.paged_decode_attention(q.float(), *(c.float() for c in caches), bt, sl,
+                                          new_kv=(k.float(), v.float(), positions, cos_sin, slots)), BF)
+
+
 @pytest.mark.parametrize("group", [1, 4])
 def test_prefill_bf16(group):
     from pagefleet.kernels import prefill_attention

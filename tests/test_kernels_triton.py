@@ -54,6 +54,39 @@ def test_triton_decode_attention(dtype, group, num_splits, merge):
     assert arrivals is None or not arrivals.any()
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("group", [1, 4])
+@pytest.mark.parametrize("num_splits", [1, 3, 16])
+@pytest.mark.parametrize("rot", [32, 16])  # full and partial rotary
+@pytest.mark.parametrize("in_kernel", [True, False])  # False: a batch past ROPE_MAX_BATCH, RoPE launched first
+def test_triton_decode_attention_with_rope(dtype, group, num_splits, rot, in_kernel, monkeypatch):
+    """new_kv=: the decode launch rotates q and the new k and writes k, v to the last slot of each sequence
+    itself. Against the two launches it replaces (rope_and_write_kv, then the decode attention): the same
+    caches, bit for bit, and the same output. The third sequence is a padding row (slot -1): no write."""
+    monkeypatch.setattr(TK["attention"], "ROPE_MAX_BATCH", 64 if in_kernel else 1)
+    gen = torch.Generator().manual_seed(6)
+    lens = [1, 50, 16, 33]
+    k_cache, v_cache, bt, seq_lens = make_paged(lens, 2, 32, 16, dtype, gen)
+    positions = seq_lens.long() - 1
+    slots = torch.tensor([int(bt[b, (n - 1) // 16]) * 16 + (n - 1) % 16 for b, n in enumerate(lens)])
+    slots[2] = -1
+    qkv = torch.randn(len(lens), (2 * group + 4) * 32, generator=gen).to(dtype)  # q, k, v as views of one row
+    q = qkv[:, : 2 * group * 32].view(-1, 2 * group, 32)
+    k = qkv[:, 2 * group * 32 : (2 * group + 2) * 32].view(-1, 2, 32)
+    v = qkv[:, (2 * group + 2) * 32 :].view(-1, 2, 32)
+    cos_sin = ref.rope_cos_sin_cache(rot, 64, 10000.0)
+    caches = (k_cache.clone(), v_cache.clone())
+    q_rot = TK["rope"].rope_and_write_kv(q, k, v, positions, cos_sin, *caches, slots)
+    expected = TK["attention"].paged_decode_attention(q_rot, *caches, bt, seq_lens, num_splits=num_splits, block_n=16)
+    out = torch.full_like(q, float("nan"))
+    TK["attention"].paged_decode_attention(q, k_cache, v_cache, bt, seq_lens, out=out, num_splits=num_splits, block_n=16,
+                                           new_kv=(k, v, positions, cos_sin, slots))
+    assert torch.equal(k_cache, caches[0]) and torch.equal(v_cache, caches[1])
+    assert torch.equal(out, expected)
+    close(out, ref.paged_decode_attention(q.float(), k_cache.float(), v_cache.float(), bt, seq_lens,
+                                          new_kv=(k.float(), v.float(), positions, cos_sin, slots)), dtype)
+
+
 def test_triton_decode_stale_max_seq_len():
     """A max_seq_len hint shorter than the real lengths (a CUDA graph captured earlier) stays correct."""
     gen = torch.Generator().manual_seed(9)
