@@ -54,20 +54,23 @@ class PagedAttention(nn.Module):
                 cos_sin_cache: torch.Tensor) -> torch.Tensor:
         """q [T, H, D], k/v [T, Hkv, D], before RoPE -> [T, H * D]."""
         meta = get_attention_metadata()
-        if self.k_cache.numel():  # the profiling run has no cache
+        if not self.k_cache.numel():  # the profiling run has no cache
+            q, k = ops.apply_rope(q, k, positions, cos_sin_cache)
+            out = _attend_without_cache(q, k, v, meta, self.scale)
+        elif meta.is_decode:
+            # RoPE, the cache write and the attention in one launch: each new key is its sequence's last
+            out = ops.paged_decode_attention(q, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens, self.scale,
+                                             meta.max_seq_len, eager_step=True,
+                                             new_kv=(k, v, positions, cos_sin_cache, meta.slot_mapping))
+        else:
             # RoPE and the cache write are one kernel: the rotated keys go straight to their slots
             q = ops.rope_and_write_kv(q, k, v, positions, cos_sin_cache, self.k_cache, self.v_cache, meta.slot_mapping)
-            if meta.is_decode:
-                out = ops.paged_decode_attention(q, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens, self.scale, meta.max_seq_len, eager_step=True)
-            elif meta.num_decodes:
+            if meta.num_decodes:
                 out = self._mixed(q, meta)
             else:
                 out = ops.paged_prefill_attention(
                     q, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q, self.scale, meta.max_seq_len
                 )
-        else:
-            q, k = ops.apply_rope(q, k, positions, cos_sin_cache)
-            out = _attend_without_cache(q, k, v, meta, self.scale)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)
 
     def _mixed(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

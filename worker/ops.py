@@ -108,15 +108,20 @@ def rope_and_write_kv(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_
     return impl.rope_and_write_kv(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping)
 
 
-def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len, out=None, eager_step=False):
+def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len, out=None, eager_step=False,
+                           new_kv=None):
+    """new_kv=(k, v, positions, cos_sin_cache, slot_mapping): q, k before RoPE; the same launch rotates them and
+    writes k, v to the cache (one launch fewer a layer than rope_and_write_kv first)."""
     if not _triton:
-        return ref.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale=scale, max_seq_len=max_seq_len, out=out)
+        return ref.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale=scale, max_seq_len=max_seq_len, out=out,
+                                          new_kv=new_kv)
     # A pure decode step run eagerly (--enforce-eager) is bound by the host's launch rate, not the GPU:
     # splitting the keys would add a reduce launch and two allocations per layer for GPU time nobody
     # waits on (batch 1: 71 against 44 tok/s). Graph replays and mixed steps keep the split.
     splits = 1 if eager_step and not torch.cuda.is_current_stream_capturing() else None
     return _triton["attention"].paged_decode_attention(
-        q, k_cache, v_cache, block_tables, seq_lens, scale=scale, max_seq_len=max_seq_len, out=out, num_splits=splits
+        q, k_cache, v_cache, block_tables, seq_lens, scale=scale, max_seq_len=max_seq_len, out=out, num_splits=splits,
+        new_kv=new_kv,
     )
 
 
