@@ -13,7 +13,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 VLLM_STATIC = {1: 198.8, 8: 1334, 64: 6595, 128: 8527, 256: 9864}
 HF_STATIC = {1: 15.7, 8: 142, 64: 1110, 128: 2052}
 VLLM_SERVE = {1: 195, 4: 721, 8: 1308, 16: 2216, 32: 3420, 64: 4478}
-RUN = "k"  # the run whose static and serving tables are plotted (docs/benchmarks.md)
+RUN = "l"  # the run whose static and serving tables are plotted (docs/benchmarks.md)
 
 
 def main(results: Path, out: Path) -> None:
