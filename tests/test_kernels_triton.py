@@ -275,9 +275,10 @@ def test_triton_gemv_folded_norm(dtype, M):
     w2 = torch.randn(2 * 40, 70, generator=gen)
     folded = (w2 * g).to(dtype)
     normed = ref.rms_norm(out.float(), g, eps)
+    b2 = torch.randn(80, generator=gen)  # the bias comes after the row scale, as after a norm
     got = torch.full((M, 80), float("nan"), dtype=dtype)
-    TK["gemv"].skinny_matmul(out, folded, out=got, sumsq=sumsq, eps=eps, block_n=16, block_k=32)
-    close(got, ref.skinny_matmul(normed, w2), dtype)
+    TK["gemv"].skinny_matmul(out, folded, b2.to(dtype), out=got, sumsq=sumsq, eps=eps, block_n=16, block_k=32)
+    close(got, ref.skinny_matmul(normed, w2, b2.to(dtype).float()), dtype)
     gated = TK["gemv"].skinny_matmul(out, folded, sumsq=sumsq, eps=eps, gated=True, block_n=16, block_k=32)
     close(gated, ref.skinny_matmul(normed, w2, gated=True), dtype)
     with pytest.raises(ValueError):
