@@ -29,7 +29,6 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 ERROR_FIELDS = {"message", "type", "param", "code"}
 
 
-
 class Server:
     def __init__(self, log_path, *flags: str):
         self.port = free_port()
