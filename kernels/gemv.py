@@ -28,8 +28,9 @@ import triton.language as tl
 
 @triton.jit
 def _tile(acc, x_ptr, w_ptr, x_rows, m_mask, w_rows, k0, k_stop, BLOCK_K: tl.constexpr, MASK: tl.constexpr,
-          UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    """acc += x[:, k0:k0+BLOCK_K] @ weight[rows, k0:k0+BLOCK_K].T; MASK only on a split's K tail."""
+          UPCAST: tl.constexpr, PRECISION: tl.constexpr, W_FP8: tl.constexpr, rstd, NORM_X: tl.constexpr):
+    """acc += x[:, k0:k0+BLOCK_K] @ weight[rows, k0:k0+BLOCK_K].T; MASK only on a split's K tail.
+    NORM_X: x's rows are scaled by rstd [M_PAD] first (an FP8 GEMV reading a folded norm's input)."""
     offs_k = k0 + tl.arange(0, BLOCK_K)
     if MASK:
         k_mask = offs_k[None, :] < k_stop
@@ -40,15 +41,27 @@ def _tile(acc, x_ptr, w_ptr, x_rows, m_mask, w_rows, k0, k_stop, BLOCK_K: tl.con
         x = tl.load(x_ptr + x_rows[:, None] + offs_k[None, :], mask=m_mask[:, None], other=0.0)
     if UPCAST:  # the interpreter mishandles half-precision arithmetic
         w, x = w.to(tl.float32), x.to(tl.float32)
+        if NORM_X:
+            x = x * rstd[:, None]
+    elif W_FP8:
+        # Weight-only FP8, the dot in fp16: e4m3 -> fp16 is exact and one instruction a pair (to bf16 it
+        # is not: gate_up's GEMV took 45 us against 35), and bf16 -> fp16 is exact within fp16's range.
+        # A folded norm's input (the residual stream, where outliers live) is normalised first, so its
+        # values are at most sqrt(K) and cannot overflow; clamping every x instead cost 0.57 ms a step.
+        w = w.to(tl.float16)
+        if NORM_X:
+            x = (x.to(tl.float32) * rstd[:, None]).to(tl.float16)
+        else:
+            x = x.to(tl.float16)
     return tl.dot(x.to(w.dtype), tl.trans(w), acc, input_precision=PRECISION)
 
 
 @triton.jit(do_not_specialize=["M", "n_sumsq"])  # batch sizes up to M_PAD share one compile
-def _skinny_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, sumsq_ptr, res_ptr, sumsq_out_ptr, M, N, K, k_per_split,
+def _skinny_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, sumsq_ptr, res_ptr, sumsq_out_ptr, M, N, K, k_per_split,
                    stride_xm, stride_wn, stride_om, stride_rm, n_sumsq, eps,
                    HAS_BIAS: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    GATED: tl.constexpr, RMS_IN: tl.constexpr, SUMSQ_PAD: tl.constexpr, ADD_RESIDUAL: tl.constexpr,
-                   UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+                   UPCAST: tl.constexpr, PRECISION: tl.constexpr, W_FP8: tl.constexpr, NORM_X: tl.constexpr):
     """Program (n tile, k split): out rows of this split = x[:, split] @ weight[n tile, split].T (+ bias).
 
     GATED: weight packs [gate; up] (2N rows) and out = silu(x @ gate.T) * (x @ up.T), [M, N]: the program
@@ -58,6 +71,8 @@ def _skinny_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, sumsq_ptr, res_ptr, sumsq_ou
     that the GEMV which wrote x left behind.
     ADD_RESIDUAL: out = residual + product (rounded as HF adds), and this program stores its columns' sums of
     squares of each out row at sumsq_out[pid_n, :], for the RMS_IN GEMV that reads out next.
+    W_FP8: the weight is e4m3 with one fp32 scale per row (scale_ptr, [2N] when GATED): half the bytes to read.
+    NORM_X (W_FP8 with RMS_IN): rstd is applied to x's tiles before the dot rather than to the product after.
     """
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -75,28 +90,40 @@ def _skinny_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, sumsq_ptr, res_ptr, sumsq_ou
     k_full = k_start + (k_stop - k_start) // BLOCK_K * BLOCK_K
     acc = tl.zeros([M_PAD, BLOCK_N], dtype=tl.float32)
     n_mask = offs_n < N
+    rstd = tl.full([M_PAD], 1.0, dtype=tl.float32)
     if RMS_IN:  # loaded before the weight stream, used after it: its latency hides behind the loop
         offs_s = tl.arange(0, SUMSQ_PAD)
         partials = tl.load(sumsq_ptr + offs_s[:, None] * M + offs_m[None, :],
                            mask=(offs_s[:, None] < n_sumsq) & m_mask[None, :], other=0.0)
+        if NORM_X:  # needed by the first tile
+            rstd = tl.rsqrt(tl.sum(partials, axis=0) / K + eps)
     # Two loops, not one with an optional second accumulator: the plain GEMV keeps exactly the loop that
     # was measured (a restructured one, for the PDL experiment in docs/benchmarks.md, ran slower).
     if GATED:
         up_rows = w_rows + N * stride_wn
         acc_up = tl.zeros([M_PAD, BLOCK_N], dtype=tl.float32)
         for k0 in range(k_start, k_full, BLOCK_K):  # x's tile is re-read from L2 for the up rows
-            acc = _tile(acc, x_ptr, w_ptr, x_rows, m_mask, w_rows, k0, k_stop, BLOCK_K, False, UPCAST, PRECISION)
-            acc_up = _tile(acc_up, x_ptr, w_ptr, x_rows, m_mask, up_rows, k0, k_stop, BLOCK_K, False, UPCAST, PRECISION)
+            acc = _tile(acc, x_ptr, w_ptr, x_rows, m_mask, w_rows, k0, k_stop, BLOCK_K, False, UPCAST, PRECISION,
+                        W_FP8, rstd, NORM_X)
+            acc_up = _tile(acc_up, x_ptr, w_ptr, x_rows, m_mask, up_rows, k0, k_stop, BLOCK_K, False, UPCAST,
+                           PRECISION, W_FP8, rstd, NORM_X)
         if k_full < k_stop:
-            acc = _tile(acc, x_ptr, w_ptr, x_rows, m_mask, w_rows, k_full, k_stop, BLOCK_K, True, UPCAST, PRECISION)
+            acc = _tile(acc, x_ptr, w_ptr, x_rows, m_mask, w_rows, k_full, k_stop, BLOCK_K, True, UPCAST, PRECISION,
+                        W_FP8, rstd, NORM_X)
             acc_up = _tile(acc_up, x_ptr, w_ptr, x_rows, m_mask, up_rows, k_full, k_stop, BLOCK_K, True, UPCAST,
-                           PRECISION)
+                           PRECISION, W_FP8, rstd, NORM_X)
     else:
         for k0 in range(k_start, k_full, BLOCK_K):
-            acc = _tile(acc, x_ptr, w_ptr, x_rows, m_mask, w_rows, k0, k_stop, BLOCK_K, False, UPCAST, PRECISION)
+            acc = _tile(acc, x_ptr, w_ptr, x_rows, m_mask, w_rows, k0, k_stop, BLOCK_K, False, UPCAST, PRECISION,
+                        W_FP8, rstd, NORM_X)
         if k_full < k_stop:
-            acc = _tile(acc, x_ptr, w_ptr, x_rows, m_mask, w_rows, k_full, k_stop, BLOCK_K, True, UPCAST, PRECISION)
-    if RMS_IN:  # sum(x_k * rstd * g_k * w_nk) = rstd * sum(x_k * (g_k * w_nk)): the norm costs one multiply
+            acc = _tile(acc, x_ptr, w_ptr, x_rows, m_mask, w_rows, k_full, k_stop, BLOCK_K, True, UPCAST, PRECISION,
+                        W_FP8, rstd, NORM_X)
+    if W_FP8:  # sum(x_k * q_nk * s_n) = s_n * sum(x_k * q_nk)
+        acc *= tl.load(scale_ptr + offs_n % N)[None, :]
+        if GATED:
+            acc_up *= tl.load(scale_ptr + N + offs_n % N)[None, :]
+    if RMS_IN and not NORM_X:  # sum(x_k * rstd * g_k * w_nk) = rstd * sum(x_k * (g_k * w_nk)): one multiply
         rstd = tl.rsqrt(tl.sum(partials, axis=0) / K + eps)
         acc *= rstd[:, None]
         if GATED:
@@ -139,7 +166,7 @@ def _num_sms(index):
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def default_config(M, N, K, num_sms=132):
+def default_config(M, N, K, num_sms=132, weight_bytes=2):
     """(block_n, block_k, num_warps, num_stages, split_k) for x [M, K] @ weight [N, K].T, M <= 16.
 
     Swept on the H200 (benchmarks/gemv_bench.py): the largest BLOCK_N (16..64) that still gives every SM
@@ -147,6 +174,10 @@ def default_config(M, N, K, num_sms=132):
     for the small tile. The same config was best or within ~2% for every M in 1..16 and for K = 4096 and
     14336, so only N matters. Split-K lost wherever it was tried (o_proj 12.3 us against 11.1).
     """
+    if weight_bytes == 1:  # FP8: tiles convert in registers before the dot, and other sizes win
+        if triton.cdiv(N, 64) >= 2 * num_sms:  # gate_up: 34.7 us at 64 x 256 with 4 warps, 44-50 at 32 rows
+            return 64, 256, 4, 3, 1
+        return 16, 512, 2, 4, 1
     block_n = 64
     while block_n > 16 and triton.cdiv(N, block_n) < 4 * num_sms:
         block_n //= 2
@@ -154,7 +185,7 @@ def default_config(M, N, K, num_sms=132):
 
 
 def skinny_matmul(x, weight, bias=None, out=None, block_n=None, block_k=None, num_warps=None, num_stages=None,
-                  split_k=None, gated=False, sumsq=None, eps=0.0, residual=None):
+                  split_k=None, gated=False, sumsq=None, eps=0.0, residual=None, weight_scale=None):
     """x [M, K] @ weight [N, K].T (+ bias [N]) -> [M, N] in x.dtype, fp32 accumulation.
 
     weight is nn.Linear's, row-major, same dtype as x; x and out need a contiguous last dim. Built for
@@ -167,10 +198,18 @@ def skinny_matmul(x, weight, bias=None, out=None, block_n=None, block_k=None, nu
     columns, and sumsq holds partial sums of x's squared rows; the product is scaled by each row's rstd.
     residual [M, N]: -> (residual + product, its rows' partial sums of squares [n, M]), the sumsq of the
     next GEMV (LlamaForCausalLM.forward_folded).
+    weight_scale [N] fp32 (weight-only FP8): weight is float8_e4m3fn, each row's true values are its e4m3
+    values times its scale. x is not quantised: the dot runs in fp16, which holds every e4m3 value and every
+    bf16 value of magnitude 2**-14 .. 65504 exactly, so the product is a bf16 GEMV's over the dequantised
+    weight, at half the bytes. With sumsq, x is normalised before the dot (at most sqrt(K) then); other
+    inputs (attention outputs, the MLP's activations) must stay within fp16's range, as in an fp16 model.
     """
     M, K = x.shape
     N = weight.shape[0] // 2 if gated else weight.shape[0]
     assert weight.shape[1] == K and x.stride(-1) == 1 and weight.stride(-1) == 1
+    fp8 = weight_scale is not None
+    assert not fp8 or (weight.dtype == torch.float8_e4m3fn and weight_scale.dtype == torch.float32
+                       and weight_scale.shape == (weight.shape[0],) and weight_scale.is_contiguous())
     assert not gated or weight.shape[0] % 2 == 0
     out = torch.empty(M, N, dtype=x.dtype, device=x.device) if out is None else out
     assert out.shape == (M, N) and out.stride(-1) == 1
@@ -179,7 +218,7 @@ def skinny_matmul(x, weight, bias=None, out=None, block_n=None, block_k=None, nu
     num_sms = _num_sms(x.device.index) if x.is_cuda else 132
     # gated: a program reads block_n gate rows and block_n up rows, so it takes the unfused GEMM's tile
     # split in two (H200, Llama-3.1-8B's gate_up: 16 and 32 rows a half measured the same)
-    defaults = default_config(M, weight.shape[0], K, num_sms)
+    defaults = default_config(M, weight.shape[0], K, num_sms, weight.element_size())
     if gated:
         defaults = (max(16, defaults[0] // 2),) + defaults[1:]
     block_n, block_k, num_warps, num_stages, split_k = (
@@ -202,14 +241,14 @@ def skinny_matmul(x, weight, bias=None, out=None, block_n=None, block_k=None, nu
         assert residual.shape == (M, N) and residual.stride(-1) == 1 and not gated
         sumsq_out = torch.empty(grid_n, M, dtype=torch.float32, device=x.device)
     _skinny_kernel[(grid_n, split_k)](
-        x, weight, bias if bias is not None else x, dest, sumsq if sumsq is not None else x,
+        x, weight, weight_scale if fp8 else x, bias if bias is not None else x, dest, sumsq if sumsq is not None else x,
         residual if residual is not None else x, sumsq_out if residual is not None else x, M, N, K, k_per_split,
         x.stride(0), weight.stride(0), stride_om, residual.stride(0) if residual is not None else 0,
         sumsq.shape[0] if sumsq is not None else 0, eps,
         HAS_BIAS=bias is not None and split_k == 1, M_PAD=max(16, triton.next_power_of_2(M)),
         BLOCK_N=block_n, BLOCK_K=block_k, GATED=gated, RMS_IN=sumsq is not None,
         SUMSQ_PAD=triton.next_power_of_2(sumsq.shape[0]) if sumsq is not None else 1,
-        ADD_RESIDUAL=residual is not None, UPCAST=not x.is_cuda,
+        ADD_RESIDUAL=residual is not None, UPCAST=not x.is_cuda, W_FP8=fp8, NORM_X=fp8 and sumsq is not None,
         PRECISION="ieee" if weight.dtype == torch.float32 else "tf32",  # fp32 weights: no silent tf32
         num_warps=num_warps, num_stages=num_stages)
     if split_k > 1:

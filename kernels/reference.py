@@ -183,15 +183,18 @@ def rope_and_write_kv(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_
 # ---------------------------------------------------------------- skinny matmul (decode linears)
 
 
-def skinny_matmul(x, weight, bias=None, gated=False, sumsq=None, eps=0.0, residual=None):
+def skinny_matmul(x, weight, bias=None, gated=False, sumsq=None, eps=0.0, residual=None, weight_scale=None):
     """x [M, K] @ weight [N, K].T (+ bias [N]) -> [M, N] in x.dtype: fp32 math, rounded once.
 
     gated=True: weight packs [gate; up] and the result is silu_and_mul of the product, [M, N // 2].
     sumsq [n, M]: partial sums of x's squared rows; each product row is scaled by rsqrt(mean square + eps)
     (an RMSNorm whose weight was folded into weight's columns).
     residual [M, N]: -> (residual + product, the new rows' sums of squares as one partial [1, M]).
+    weight_scale [N]: weight is e4m3, row n scaled by weight_scale[n] (weight-only FP8; x is not quantised).
     """
     y = x.float() @ weight.float().t()
+    if weight_scale is not None:
+        y = y * weight_scale.float()
     if sumsq is not None:
         y = y * torch.rsqrt(sumsq.sum(0) / x.shape[1] + eps)[:, None]
     if bias is not None:

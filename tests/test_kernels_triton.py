@@ -285,6 +285,42 @@ def test_triton_gemv_folded_norm(dtype, M):
         TK["gemv"].skinny_matmul(x, w, residual=residual, split_k=2)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("M", [1, 5])
+def test_triton_gemv_fp8_weight(dtype, M):
+    """weight_scale=: e4m3 weights, one fp32 scale a row, x unquantised. Plain (with split-K), gated (the up
+    half has its own scales) and with the folded-norm options, each against the reference over the
+    dequantised weight; and the scale really applies: a weight quantised with doubled scales gives twice."""
+    gen = torch.Generator().manual_seed(15)
+    x = torch.randn(M, 100, generator=gen).to(dtype)
+    w8, scale = ref.quantize_weight_fp8(torch.randn(70, 100, generator=gen) * torch.rand(70, 1, generator=gen))
+    bias = torch.randn(70, generator=gen).to(dtype)
+    dequant = w8.float() * scale[:, None]
+    for split_k in (1, 2):
+        out = torch.full((M, 70), float("nan"), dtype=dtype)
+        TK["gemv"].skinny_matmul(x, w8, bias, out=out, block_n=16, block_k=32, split_k=split_k, weight_scale=scale)
+        close(out, ref.skinny_matmul(x.float(), dequant, bias.float()), dtype)
+        close(out, ref.skinny_matmul(x.float(), w8, bias.float(), weight_scale=scale), dtype)
+    doubled = TK["gemv"].skinny_matmul(x, w8, block_n=16, block_k=32, weight_scale=2 * scale)
+    close(doubled, 2 * ref.skinny_matmul(x.float(), dequant), dtype)
+
+    g8, g_scale = ref.quantize_weight_fp8(torch.randn(2 * 40, 100, generator=gen))
+    g_scale[40:] *= 3  # up's rows scaled apart from gate's
+    gated = TK["gemv"].skinny_matmul(x, g8, block_n=16, block_k=32, gated=True, weight_scale=g_scale)
+    close(gated, ref.skinny_matmul(x.float(), g8.float() * g_scale[:, None], gated=True), dtype)
+
+    residual = torch.randn(M, 70, generator=gen).to(dtype)
+    h, sumsq = TK["gemv"].skinny_matmul(x, w8, residual=residual, block_n=16, block_k=32, weight_scale=scale)
+    close(h, ref.skinny_matmul(x.float(), dequant, residual=residual.float())[0], dtype)
+    w2, eps = torch.randn(2 * 40, 70, generator=gen), 1e-5
+    q2, s2 = ref.quantize_weight_fp8(w2)
+    got = TK["gemv"].skinny_matmul(h, q2, sumsq=sumsq, eps=eps, gated=True, block_n=16, block_k=32, weight_scale=s2)
+    close(got, ref.skinny_matmul(ref.rms_norm(h.float(), torch.ones(70), eps), q2.float() * s2[:, None], gated=True),
+          dtype)
+    with pytest.raises(AssertionError):
+        TK["gemv"].skinny_matmul(x, w8, weight_scale=scale.half())  # fp32 scales only
+
+
 def test_triton_gemv_strided_and_defaults():
     """x and out as row views of wider buffers; the default config; M = 1 with a 64-wide K tile."""
     gen = torch.Generator().manual_seed(12)
