@@ -161,6 +161,38 @@ def test_skinny_matmul_bf16(shape, M):
     close(gemv.skinny_matmul(x, w, split_k=2), ref.skinny_matmul(x.float(), w.float()), BF)
 
 
+@pytest.mark.parametrize("shape", ["qkv", "o_proj", "gate_up", "down"])
+@pytest.mark.parametrize("M", [1, 8, 16])
+def test_skinny_matmul_fp8_weight(shape, M):
+    """Weight-only FP8 at Llama-3.1-8B's decoder shapes: e4m3 weights with per-row scales (worker/fp8.py),
+    bf16 x; against the bf16-rounded product over the dequantised weight. Plain, gated for gate_up, and
+    the folded-norm options."""
+    from pagefleet.kernels import gemv
+
+    N, K = LLAMA_8B_LINEARS[shape]
+    x = torch.randn(M, K, device="cuda", dtype=BF)
+    w8, scale = ref.quantize_weight_fp8((torch.randn(N, K, device="cuda") / K**0.5).to(BF))
+    dequant = w8.float() * scale[:, None]
+    bias = torch.randn(N, device="cuda", dtype=BF)
+    out = torch.full((M, N), float("nan"), device="cuda", dtype=BF)
+    gemv.skinny_matmul(x, w8, bias, out=out, weight_scale=scale)
+    close(out, ref.skinny_matmul(x.float(), dequant, bias.float()), BF)
+    if shape == "gate_up":
+        close(gemv.skinny_matmul(x, w8, gated=True, weight_scale=scale), ref.skinny_matmul(x.float(), dequant, gated=True), BF)
+    if shape in ("o_proj", "down"):
+        residual = torch.randn(M, N, device="cuda", dtype=BF)
+        h, sumsq = gemv.skinny_matmul(x, w8, residual=residual, weight_scale=scale)
+        close(h, ref.skinny_matmul(x.float(), dequant, residual=residual.float())[0], BF)
+        close(sumsq.sum(0), h.float().square().sum(-1), torch.float32)
+    if shape in ("qkv", "gate_up"):  # a folded norm's input is normalised before the fp16 dot: an outlier past
+        h = x.clone()                # fp16's range (65504) in the residual stream stays finite and exact
+        h[0, 0] = 1e6
+        gated = shape == "gate_up"
+        got = gemv.skinny_matmul(h, w8, sumsq=h.float().square().sum(-1)[None], eps=1e-5, weight_scale=scale, gated=gated)
+        normed = ref.rms_norm(h.float(), torch.ones(K, device="cuda"), 1e-5)
+        close(got, ref.skinny_matmul(normed, dequant, gated=gated), BF)
+
+
 @pytest.mark.parametrize("M", [1, 4, 16])
 def test_folded_norm_gemvs_bf16(M):
     """Llama-3.1-8B's o_proj adding into the stream, then gate_up reading it through a folded RMSNorm

@@ -1,5 +1,8 @@
-"""FP8 weights for Hopper: every decoder Linear becomes e4m3 weights with per-channel scales,
-activations quantised per token at run time, one `torch._scaled_mm` per GEMM (bf16 out).
+"""FP8 weights for Hopper: every decoder Linear becomes e4m3 weights with per-channel scales.
+
+Prefill and other large steps quantise activations per token at run time, one `torch._scaled_mm` per GEMM
+(bf16 out). Decode graphs (a few rows) read the e4m3 weight through our GEMV with the activations
+unquantised: a decode step is a weight read, and FP8 halves it (ops.linear).
 
 The embedding and lm_head stay in bf16: they are lookups or one GEMM at the end, and logits need the range.
 """
@@ -10,9 +13,12 @@ import torch
 from torch import nn
 
 from pagefleet import kernels
+from pagefleet.worker import ops
 
 
 class Fp8Linear(nn.Module):
+    lora = None  # LoRA runs on bf16 / fp32 weights only (EngineConfig.validate)
+
     def __init__(self, linear: nn.Linear):
         super().__init__()
         w = linear.weight.data
@@ -24,13 +30,19 @@ class Fp8Linear(nn.Module):
         self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return kernels.fp8_linear(x, self.weight, self.weight_scale, self.bias)
+        return ops.linear(x, self.weight, self.bias, weight_scale=self.weight_scale)
 
 
 def quantize_model_fp8(model: nn.Module) -> None:
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
         raise ValueError("quantization=fp8 needs an NVIDIA GPU with FP8 tensor cores (Ada or Hopper)")
-    for layer in model.model.layers:
-        for parent, name in ((layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"), (layer.mlp, "gate_up_proj"), (layer.mlp, "down_proj")):
-            setattr(parent, name, Fp8Linear(getattr(parent, name)))
+    quantize_linears_fp8(model)
     torch.cuda.empty_cache()
+
+
+def quantize_linears_fp8(model: nn.Module) -> None:
+    """Every decoder linear -> Fp8Linear (on any device: the CPU runs the references)."""
+    for layer in model.model.layers:
+        for parent, name in ((layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"), (layer.mlp, "gate_up_proj"),
+                             (layer.mlp, "down_proj")):
+            setattr(parent, name, Fp8Linear(getattr(parent, name)))

@@ -77,8 +77,10 @@ class ModelRunner:
         start = time.time()
         self.model = build_model(model_config, model_path, self.dtype, self.device)
         if (self.device.type == "cuda" and not config.enforce_eager and not config.enable_lora
-                and config.quantization is None and self.dtype in (torch.bfloat16, torch.float16)):
-            self.model.fold_norms()  # decode graphs then launch no per-layer norm (LlamaForCausalLM.forward_folded)
+                and self.dtype in (torch.bfloat16, torch.float16)):
+            # decode graphs then launch no per-layer norm (LlamaForCausalLM.forward_folded); before FP8
+            # quantisation, so the scales cover the folded weights
+            self.model.fold_norms()
         if config.quantization == "fp8":
             from pagefleet.worker.fp8 import quantize_model_fp8
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from pagefleet import kernels
 from pagefleet.kernels import reference as ref
 
 _triton = None  # the kernels modules when Triton is in use, else None
@@ -36,27 +37,33 @@ def skinny_rows(x) -> bool:
                 and torch.cuda.is_current_stream_capturing())
 
 
-def _skinny(x, weight) -> bool:
-    return skinny_rows(x) and weight.dtype == x.dtype
+def _skinny(x, weight, weight_scale=None) -> bool:
+    return skinny_rows(x) and (weight.dtype == x.dtype or weight_scale is not None)
 
 
-def linear(x, weight, bias=None, out=None):
-    if _skinny(x, weight):
-        return _triton["gemv"].skinny_matmul(x, weight, bias, out=out)
+def linear(x, weight, bias=None, out=None, weight_scale=None):
+    """weight_scale [N] fp32: weight is e4m3 (worker/fp8.py). A decode graph's few rows then read it through our
+    GEMV unquantised (weight-only FP8, half the bytes of bf16); other calls quantise x per token for
+    torch._scaled_mm (kernels/fp8.py)."""
+    if _skinny(x, weight, weight_scale):
+        return _triton["gemv"].skinny_matmul(x, weight, bias, out=out, weight_scale=weight_scale)
+    if weight_scale is not None:
+        y = kernels.fp8_linear(x, weight, weight_scale, bias)
+        return y if out is None else out.copy_(y)
     if out is None:
         return F.linear(x, weight, bias)
     return torch.addmm(bias, x, weight.t(), out=out) if bias is not None else torch.mm(x, weight.t(), out=out)
 
 
-def linear_silu_and_mul(x, weight, bias=None, sumsq=None, eps=0.0):
+def linear_silu_and_mul(x, weight, bias=None, sumsq=None, eps=0.0, weight_scale=None):
     """The gated MLP's first half: silu_and_mul(linear(x, [gate; up])). In a decode graph one GEMV does
     both (the activation in its epilogue); elsewhere a GEMM, then the activation kernel.
     sumsq: x is a folded norm's input, as in linear_normed."""
     if sumsq is not None:
-        return _gemv().skinny_matmul(x, weight, bias, gated=True, sumsq=sumsq, eps=eps)
-    if _skinny(x, weight):
-        return _triton["gemv"].skinny_matmul(x, weight, bias, gated=True)
-    return silu_and_mul(F.linear(x, weight, bias))
+        return _gemv().skinny_matmul(x, weight, bias, gated=True, sumsq=sumsq, eps=eps, weight_scale=weight_scale)
+    if _skinny(x, weight, weight_scale):
+        return _triton["gemv"].skinny_matmul(x, weight, bias, gated=True, weight_scale=weight_scale)
+    return silu_and_mul(linear(x, weight, bias, weight_scale=weight_scale))
 
 
 # The folded-norm decode path (LlamaForCausalLM.forward_folded): our GEMV on CUDA, the references elsewhere.
@@ -64,15 +71,15 @@ def _gemv():
     return _triton["gemv"] if _triton else ref
 
 
-def linear_normed(x, weight, bias, sumsq, eps):
+def linear_normed(x, weight, bias, sumsq, eps, weight_scale=None):
     """linear(rms_norm(x)) where the norm's weight is folded into weight's columns and sumsq [n, M] holds
     partial sums of x's squared rows: the norm is a per-row scale of the product, not a launch."""
-    return _gemv().skinny_matmul(x, weight, bias, sumsq=sumsq, eps=eps)
+    return _gemv().skinny_matmul(x, weight, bias, sumsq=sumsq, eps=eps, weight_scale=weight_scale)
 
 
-def linear_add(x, weight, bias, residual):
+def linear_add(x, weight, bias, residual, weight_scale=None):
     """-> (residual + linear(x), partial sums of its squared rows [n, M]) for the linear_normed after it."""
-    return _gemv().skinny_matmul(x, weight, bias, residual=residual)
+    return _gemv().skinny_matmul(x, weight, bias, residual=residual, weight_scale=weight_scale)
 
 
 def row_sum_squares(x):

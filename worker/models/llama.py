@@ -33,6 +33,7 @@ class Linear(nn.Linear):
     which adds its LoRA adapters' products when the engine has them (worker/lora.py)."""
 
     lora = None  # LoRAWeights, attached by the LoRA manager
+    weight_scale = None  # bf16 / fp32 weights; worker/fp8.py's Fp8Linear has e4m3 ones with per-row scales
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = ops.linear(x, self.weight, self.bias)
@@ -72,8 +73,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj
-        if isinstance(gate_up, Linear) and gate_up.lora is None:  # not FP8, no adapter: the activation can fuse
-            return self.down_proj(ops.linear_silu_and_mul(x, gate_up.weight, gate_up.bias))
+        if gate_up.lora is None:  # no adapter: the activation can fuse into the decode GEMV
+            return self.down_proj(ops.linear_silu_and_mul(x, gate_up.weight, gate_up.bias, weight_scale=gate_up.weight_scale))
         return self.down_proj(ops.silu_and_mul(gate_up(x)))
 
 
@@ -99,13 +100,15 @@ class DecoderLayer(nn.Module):
         """This layer with its norms folded (LlamaForCausalLM.fold_norms) and no norm launches: the stream
         and its rows' partial sums of squares in, the same out. The GEMVs that read a norm scale their
         rows by its rstd; the GEMVs that add into the stream leave the sums behind."""
-        attn, mlp = self.self_attn, self.mlp
-        qkv = ops.linear_normed(residual, attn.qkv_proj.weight, attn.qkv_proj.bias, sumsq, self.input_layernorm.eps)
-        out = attn.attend(positions, qkv, cos_sin_cache)
-        residual, sumsq = ops.linear_add(out, attn.o_proj.weight, attn.o_proj.bias, residual)
-        act = ops.linear_silu_and_mul(residual, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, sumsq,
-                                      self.post_attention_layernorm.eps)
-        return ops.linear_add(act, mlp.down_proj.weight, mlp.down_proj.bias, residual)
+        qkv_proj, o_proj = self.self_attn.qkv_proj, self.self_attn.o_proj
+        gate_up, down = self.mlp.gate_up_proj, self.mlp.down_proj
+        qkv = ops.linear_normed(residual, qkv_proj.weight, qkv_proj.bias, sumsq, self.input_layernorm.eps,
+                                qkv_proj.weight_scale)
+        out = self.self_attn.attend(positions, qkv, cos_sin_cache)
+        residual, sumsq = ops.linear_add(out, o_proj.weight, o_proj.bias, residual, o_proj.weight_scale)
+        act = ops.linear_silu_and_mul(residual, gate_up.weight, gate_up.bias, sumsq, self.post_attention_layernorm.eps,
+                                      gate_up.weight_scale)
+        return ops.linear_add(act, down.weight, down.bias, residual, down.weight_scale)
 
 
 class DecoderModel(nn.Module):
