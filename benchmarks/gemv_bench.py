@@ -2,6 +2,8 @@
 
   python3 benchmarks/gemv_bench.py OUT_DIR            # on the H200: checks, times, sweeps (~2 min)
   TRITON_INTERPRET=1 python3 benchmarks/gemv_bench.py OUT_DIR --dry-run   # CPU: tiny shapes, exercises the code
+  python3 benchmarks/gemv_bench.py OUT_DIR --fp8      # weight-only FP8 (e4m3 + per-row scales) against
+                                                      # cuBLAS bf16 and torch._scaled_mm (activations quantised)
 
 For Llama-3.1-8B's five linear shapes and each M: torch.nn.functional.linear (cuBLAS), skinny_matmul's
 default config, and the best of a sweep around that default. Every op is first checked against an fp32
@@ -31,13 +33,14 @@ except ImportError:  # not installed: the kernels folder is a package on its own
 from importlib import import_module
 
 G = import_module(K.__name__ + ".gemv")
+F8 = import_module(K.__name__ + ".fp8")
 R = K.reference
 
 SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
           "lm_head": (128256, 4096)}  # Llama-3.1-8B: name -> (N, K)
 DRY_SHAPES = {"qkv": (96, 64), "o_proj": (64, 64), "gate_up": (160, 64), "down": (64, 200), "lm_head": (300, 64)}
 LAYERS = 32
-SWEEP = {"block_n": (16, 32, 64), "block_k": (128, 256, 512), "num_warps": (2, 4, 8), "num_stages": (2, 3, 4),
+SWEEP = {"block_n": (16, 32, 64), "block_k": (128, 256, 512, 1024), "num_warps": (2, 4, 8), "num_stages": (2, 3, 4, 5),
          "split_k": (1, 2, 4)}  # no block_n 8: the kernel's tl.dot needs 16 rows
 KEYS = list(SWEEP)
 
@@ -50,6 +53,8 @@ def parse_args():
     p.add_argument("--max-configs", type=int, default=40, help="sweep size per (shape, M), default included")
     p.add_argument("--weights", type=int, default=32, help="distinct weights per graph (ops per graph)")
     p.add_argument("--reps", type=int, default=20, help="graph replays timed (median)")
+    p.add_argument("--fp8", action="store_true", help="e4m3 weights with per-row scales (worker/fp8.py's layout)")
+    p.add_argument("--shapes", default=None, help="comma-separated subset of " + ",".join(SHAPES))
     return p.parse_args()
 
 
@@ -122,7 +127,7 @@ def copy_bandwidth(device):
 # ---------------------------------------------------------------- configs
 
 
-def sweep_configs(M, N, K, default, num_sms, limit):
+def sweep_configs(M, N, K, default, num_sms, limit, weight_bytes=2):
     """Up to `limit` configs nearest the default (fewest knobs changed, then the smallest changes).
 
     Pruned: shared memory past the H200's 227 KB a block (num_stages x the weight and x tiles), grids
@@ -136,7 +141,7 @@ def sweep_configs(M, N, K, default, num_sms, limit):
     for c in itertools.product(*SWEEP.values()):
         block_n, block_k, _, num_stages, split_k = c
         n_tiles = math.ceil(N / block_n)
-        if num_stages * (block_n + 16) * block_k * 2 > 227 * 1024:
+        if num_stages * (block_n * weight_bytes + 32) * block_k > 227 * 1024:
             continue
         if n_tiles * split_k < num_sms or (split_k > 1 and n_tiles >= 2 * num_sms):
             continue
@@ -159,32 +164,47 @@ def make_weights(N, K, count, dtype, device):
 
 
 def bench_shape(name, N, K, Ms, args, dtype, device, num_sms, failures):
-    """Rows (one per M) for one weight shape: check, then time cuBLAS, our default, and the sweep."""
+    """Rows (one per M) for one weight shape: check, then time cuBLAS, our default, and the sweep.
+
+    --fp8: ours reads e4m3 weights (bandwidth over their bytes), checked against the product over the
+    dequantised weight; cuBLAS stays bf16 over the same values, and torch._scaled_mm is timed beside it."""
     weights = make_weights(N, K, args.weights, dtype, device)
-    weight_bytes = N * K * weights[0].element_size()
+    scales = None
+    if args.fp8:
+        pairs = [R.quantize_weight_fp8(w) for w in weights]
+        weights = [(q.float() * s[:, None]).to(dtype) for q, s in pairs]  # cuBLAS reads the same values in bf16
+        quantized, scales = [q for q, _ in pairs], {id(q): s for q, s in pairs}
+    ours_weights = quantized if args.fp8 else weights
+    weight_bytes = N * K * ours_weights[0].element_size()
     tol = 2e-5 if dtype == torch.float32 else 1e-2
     rows = []
     for M in Ms:
         x = torch.randn(M, K, device=device).to(dtype)
         expected = R.skinny_matmul(x.float(), weights[0].float())
 
+        def ours(w, **kw):
+            return G.skinny_matmul(x, w, weight_scale=scales[id(w)] if scales else None, **kw)
+
         def tbps(us):
             return weight_bytes / us / 1e6
 
         cublas_err = rel_err(F.linear(x, weights[0]), expected)
         cublas_us = time_per_op(lambda w: F.linear(x, w), weights, args.reps)
-        default = G.default_config(M, N, K, num_sms)
+        scaled_mm_us = None
+        if args.fp8:
+            scaled_mm_us = time_per_op(lambda w: F8.fp8_linear(x, w, scales[id(w)]), quantized, args.reps)
+        default = G.default_config(M, N, K, num_sms, ours_weights[0].element_size())
         timed = []
-        for c in sweep_configs(M, N, K, default, num_sms, args.max_configs):
+        for c in sweep_configs(M, N, K, default, num_sms, args.max_configs, ours_weights[0].element_size()):
             kw = dict(zip(KEYS, c))
             try:
                 out = torch.full((M, N), float("nan"), device=device, dtype=dtype)
-                err = rel_err(G.skinny_matmul(x, weights[0], out=out, **kw), expected)
+                err = rel_err(ours(ours_weights[0], out=out, **kw), expected)
                 if err > tol:
                     failures.append(f"{name} M={M} {config_name(c)}: rel err {err:.2e}")
                     print(f"  FAIL {name} M={M} {config_name(c)}: rel err {err:.2e} (tol {tol:.0e})", flush=True)
                     continue
-                us = time_per_op(lambda w: G.skinny_matmul(x, w, **kw), weights, args.reps)
+                us = time_per_op(lambda w: ours(w, **kw), ours_weights, args.reps)
             except Exception as e:  # a config that does not compile (shared memory, registers) is skipped
                 print(f"  skip {config_name(c)}: {type(e).__name__}: {str(e).splitlines()[0][:120]}", flush=True)
                 continue
@@ -194,7 +214,8 @@ def bench_shape(name, N, K, Ms, args, dtype, device, num_sms, failures):
             failures.append(f"{name} M={M}: the default config failed")
         best = min(timed, key=lambda t: t["us"]) if timed else None
         row = {"shape": name, "N": N, "K": K, "M": M, "weight_MB": weight_bytes / 1e6,
-               "cublas_us": cublas_us, "cublas_TBps": tbps(cublas_us), "cublas_rel_err": cublas_err,
+               "cublas_us": cublas_us, "cublas_TBps": N * K * weights[0].element_size() / cublas_us / 1e6, "cublas_rel_err": cublas_err,
+               "scaled_mm_us": scaled_mm_us,
                "default_config": dict(zip(KEYS, default)),
                "default_us": ours and ours["us"], "default_TBps": ours and ours["TBps"],
                "default_rel_err": ours and ours["rel_err"],
@@ -202,10 +223,11 @@ def bench_shape(name, N, K, Ms, args, dtype, device, num_sms, failures):
                "best_TBps": best and best["TBps"], "sweep": sorted(timed, key=lambda t: t["us"])}
         rows.append(row)
         top = ", ".join(f"{config_name(tuple(t['config'].values()))} {t['us']:.1f}" for t in row["sweep"][:3])
-        print(f"{name:8s} M={M:2d}  cuBLAS {cublas_us:8.1f} us {tbps(cublas_us):5.2f} TB/s | default "
+        print(f"{name:8s} M={M:2d}  cuBLAS {cublas_us:8.1f} us {row['cublas_TBps']:5.2f} TB/s | _scaled_mm "
+              f"{fmt(scaled_mm_us)} us | default "
               f"{fmt(row['default_us'])} us {fmt(row['default_TBps'], 2)} TB/s | best {fmt(row['best_us'])} us "
               f"{fmt(row['best_TBps'], 2)} TB/s ({len(timed)} timed; top: {top})", flush=True)
-    del weights
+    del weights, ours_weights
     if device == "cuda":
         torch.cuda.empty_cache()
     return rows
@@ -269,6 +291,8 @@ def main():
     device = "cpu" if args.dry_run else "cuda"
     dtype = torch.float32 if args.dry_run else torch.bfloat16  # the interpreter mishandles bf16 arithmetic
     shapes = DRY_SHAPES if args.dry_run else SHAPES
+    if args.shapes:
+        shapes = {name: shapes[name] for name in args.shapes.split(",")}
     if args.dry_run:
         args.weights, args.reps, args.max_configs = 2, 1, min(args.max_configs, 3)
     Ms = [int(m) for m in args.ms.split(",")]

@@ -2,13 +2,14 @@
 
 Sections (each prints as it goes, failures are reported and the run goes on):
   ceilings      device copy bandwidth and bf16 matmul rate, measured here
-  correctness   4-layer Llama-3.1-8B / Qwen3-8B shapes: our bf16 logprobs (graphs and eager, prefill
-                chunks mixed with decodes) against transformers in fp32
+  correctness   4-layer Llama-3.1-8B / Qwen3-8B shapes: our logprobs (bf16 and FP8, graphs and eager;
+                prefill chunks mixed with decodes) against transformers in fp32
   hf            transformers generate() on the first 64 requests of the mixed workload (one static batch)
   static        batch 1 / 8 (512 in, 128 out), 64 / 128 / 256 (512 in, 256 out), time includes prefill
   eager         the same batch 1 / 8 with CUDA graphs off, same process, same weights
   mixed         256 requests (seed 0) and 2048 requests (seed 1), the anchors' draws
   roofline      one decode step against its floor (weights + KV bytes / copy bandwidth)
+  fp8           --quantization fp8: static, mixed 256 / 2048, and the decode steps against their floor
   startup       `pagefleet generate` process start to first token, in a fresh process
 Usage: python benchmarks/gpu_bench.py OUT_DIR [sections...]
 """
@@ -120,8 +121,9 @@ def correctness():
         path = make_checkpoint(name, f"{ROOT}/{name}-4layers", num_layers=4, std=0.05)
         prompts = [list(range(1000, 1000 + n)) for n in (300, 45, 700, 17)]
         got = {}
-        for eager in (False, True):
-            eng = engine(path, enforce_eager=eager, max_num_batched_tokens=128, max_num_seqs=16, gpu_memory_fraction=0.3)
+        for variant in ("graphs", "eager", "fp8 graphs", "fp8 eager"):
+            eng = engine(path, enforce_eager="eager" in variant, quantization="fp8" if "fp8" in variant else None,
+                         max_num_batched_tokens=128, max_num_seqs=16, gpu_memory_fraction=0.3)
             for i, p in enumerate(prompts):
                 eng.add_request(str(i), p, SamplingParams(temperature=0.0, max_tokens=17, ignore_eos=True, logprobs=0, detokenize=False))
             res = {}
@@ -132,13 +134,13 @@ def correctness():
                         res[o.request_id] = o.outputs[0]
                 r = eng.recent_steps[-1]
                 mixed += bool(r.num_prefill_tokens and r.num_decode_tokens)
-            got[eager] = (res, mixed)
+            got[variant] = (res, mixed)
             del eng
             gc.collect()
             torch.cuda.empty_cache()
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
         worst = {}
-        for eager, (res, mixed) in got.items():
+        for variant, (res, mixed) in got.items():
             diffs, agree, total = [], 0, 0
             for i, p in enumerate(prompts):
                 toks = res[str(i)].token_ids
@@ -150,7 +152,7 @@ def correctness():
                 diffs += [abs(a - b) for a, b in zip(ours, ref)]
                 agree += sum(int(t == a) for t, a in zip(toks, lp.argmax(-1).tolist()))
                 total += len(toks)
-            worst["eager" if eager else "graphs"] = {"max_abs_logprob_diff": max(diffs), "mean_abs_logprob_diff": sum(diffs) / len(diffs),
+            worst[variant] = {"max_abs_logprob_diff": max(diffs), "mean_abs_logprob_diff": sum(diffs) / len(diffs),
                                                      "greedy_agreement": agree / total, "mixed_steps": mixed}
         del hf
         gc.collect()
@@ -229,13 +231,19 @@ def fake_prefilled(eng, batch, ctx):
 
 @section("roofline")
 def roofline(eng):
+    RESULTS["roofline"] = decode_steps(eng)
+
+
+def decode_steps(eng, sizes=(1, 8, 64, 128, 256)):
+    """Each batch size at context 1k and 4k: one decode step's time against its floor (the bytes of every
+    weight, in the dtype stored, and of the KV read, over the copy bandwidth)."""
     bw = RESULTS.get("ceilings", {}).get("copy_bytes_per_s", 4.27e12)
     mc = eng.model_config
     weight_bytes = sum(p.numel() * p.element_size() for p in eng.runner.model.parameters())
     kv_per_token = 2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim * 2
     rows = []
     for ctx in (1024, 4096):
-        for b in (1, 8, 64, 128, 256):
+        for b in sizes:
             need = b * -(-(ctx + 64) // eng.block_manager.block_size)
             if need > eng.block_manager.num_free_blocks:
                 rows.append({"batch": b, "context": ctx, "skipped": f"needs {need} blocks, cache has {eng.block_manager.num_blocks}"})
@@ -256,21 +264,28 @@ def roofline(eng):
             print(f"decode b={b} ctx={ctx}: {dt * 1e3:.2f} ms/step, floor {floor * 1e3:.2f} ms -> {100 * floor / dt:.1f} %", flush=True)
             for rid in list(eng.requests):
                 eng.abort_request(rid)
-    RESULTS["roofline"] = rows
+            while eng.has_unfinished_requests() or eng.pending is not None:
+                eng.step()
+    return rows
 
 
 @section("fp8")
 def fp8(path):
-    eng = engine(path, quantization="fp8", max_num_seqs=256)
-    rows = {}
-    for b, i, o in ((1, 512, 128), (8, 512, 128), (64, 512, 256), (256, 512, 256)):
+    t = time.time()
+    eng = engine(path, quantization="fp8")  # the bf16 sections' settings, so the figures compare
+    rows = {"engine_init_s": time.time() - t}
+    rows["decode_steps"] = decode_steps(eng, (1, 8, 16, 64, 128, 256))
+    for b, i, o in ((1, 512, 128), (8, 512, 128), (64, 512, 256), (128, 512, 256), (256, 512, 256)):
         reqs = static_requests(b, i, o)
         run_engine(eng, [(ids[::-1], 2) for ids, _ in reqs], warmup=False)
         rows[f"static_{b}"] = run_engine(eng, reqs, warmup=False)
         print(f"fp8 batch {b}: {rows[f'static_{b}']['output_tok_per_s']:.1f} output tok/s", flush=True)
-    r = run_engine(eng, draw_requests(256, 0, (64, 1024), (32, 512), 128256), warmup=False)
-    rows["mixed_256_seed0"] = r
-    print(f"fp8 mixed 256 (seed 0): {r['output_tok_per_s']:.1f} output tok/s", flush=True)
+        RESULTS["fp8"] = rows
+    for n, seed in ((256, 0), (2048, 1)):
+        r = run_engine(eng, draw_requests(n, seed, (64, 1024), (32, 512), 128256), warmup=False)
+        rows[f"mixed_{n}_seed{seed}"] = r
+        print(f"fp8 mixed {n} (seed {seed}): {r['output_tok_per_s']:.1f} output tok/s, KV waste {100 * r['kv_waste']:.2f} %, "
+              f"{r['seconds']:.1f}s", flush=True)
     RESULTS["fp8"] = rows
     del eng
     gc.collect()

@@ -56,6 +56,9 @@ def make_checkpoint(name: str, folder: str, num_layers: int | None = None, std: 
     config = dict(CONFIGS[name])
     if num_layers:
         config["num_hidden_layers"] = num_layers
+    done = os.path.join(folder, "config.json")
+    if os.path.exists(os.path.join(folder, "tokenizer_config.json")) and json.load(open(done)) == config:
+        return folder  # the tokenizer is written last: the weights are all there
     os.makedirs(folder, exist_ok=True)
     start = time.time()
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -82,11 +85,11 @@ def make_checkpoint(name: str, folder: str, num_layers: int | None = None, std: 
     flush()
     with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {"total_size": sum(os.path.getsize(os.path.join(folder, s)) for s in shards)}, "weight_map": index}, f)
-    with open(os.path.join(folder, "config.json"), "w") as f:
+    with open(done, "w") as f:
         json.dump(config, f, indent=1)
     with open(os.path.join(folder, "generation_config.json"), "w") as f:
         json.dump({"eos_token_id": config["eos_token_id"], "bos_token_id": config["bos_token_id"]}, f)
-    write_word_tokenizer(folder)
+    write_word_tokenizer(folder)  # reads config.json
     print(f"made {name} ({config['num_hidden_layers']} layers) in {folder} in {time.time() - start:.1f}s", flush=True)
     return folder
 
