@@ -13,28 +13,37 @@ import matplotlib.pyplot as plt  # noqa: E402
 VLLM_STATIC = {1: 198.8, 8: 1334, 64: 6595, 128: 8527, 256: 9864}
 HF_STATIC = {1: 15.7, 8: 142, 64: 1110, 128: 2052}
 VLLM_SERVE = {1: 195, 4: 721, 8: 1308, 16: 2216, 32: 3420, 64: 4478}
-RUN = "l"  # the run whose static and serving tables are plotted (docs/benchmarks.md)
+# the runs plotted (docs/benchmarks.md): bf16 static from run M, bf16 serving from run L (not re-run in M),
+# FP8 static and serving from run M
+def load(results: Path, name: str) -> dict | list:
+    return json.loads((results / f"h200-run-{name}.json").read_text())
 
 
 def main(results: Path, out: Path) -> None:
-    offline = json.loads((results / f"h200-run-{RUN}-offline.json").read_text())
-    serve = json.loads((results / f"h200-run-{RUN}-serve.json").read_text())
+    bf16_static = load(results, "m-bf16-offline")["bf16"]["static"]
+    fp8 = load(results, "m-fp8-offline")["fp8"]["fp8"]
+    bf16_serve = load(results, "l-serve")
+    fp8_serve = load(results, "m-serve-fp8")["final"]
     fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
     batches = [1, 8, 64, 128, 256]
     x = range(len(batches))
-    w = 0.27
-    ours = [offline["static"][str(bs)]["output_tok_per_s"] for bs in batches]
-    a.bar([i - w for i in x], [HF_STATIC.get(bs, 0) for bs in batches], w, label="transformers 5.17")
-    a.bar(list(x), [VLLM_STATIC[bs] for bs in batches], w, label="vLLM 0.26")
-    a.bar([i + w for i in x], ours, w, label="pagefleet")
+    w = 0.2
+    a.bar([i - 1.5 * w for i in x], [HF_STATIC.get(bs, 0) for bs in batches], w, label="transformers 5.17")
+    a.bar([i - 0.5 * w for i in x], [VLLM_STATIC[bs] for bs in batches], w, label="vLLM 0.26 (bf16)")
+    a.bar([i + 0.5 * w for i in x], [bf16_static[str(bs)]["output_tok_per_s"] for bs in batches], w,
+          label="pagefleet bf16")
+    a.bar([i + 1.5 * w for i in x], [fp8[f"static_{bs}"]["output_tok_per_s"] for bs in batches], w,
+          label="pagefleet FP8")
     a.set_xticks(list(x), [str(bs) for bs in batches])
     a.set_xlabel("batch (512 in; 128 out at 1-8, 256 out at 64-256)")
     a.set_ylabel("output tok/s")
     a.set_title("Static batches, Llama-3.1-8B shape, one H200")
     a.legend()
-    conc = [r["concurrency"] for r in serve]
-    b.plot(conc, [VLLM_SERVE[c] for c in conc], "o-", label="vLLM 0.26 serve")
-    b.plot(conc, [r["output_tok_s"] for r in serve], "o-", label="pagefleet serve")
+    conc = [r["concurrency"] for r in bf16_serve]
+    b.plot(conc, [VLLM_SERVE[c] for c in conc], "o-", label="vLLM 0.26 serve (bf16)")
+    b.plot(conc, [r["output_tok_s"] for r in bf16_serve], "o-", label="pagefleet serve bf16 (run L)")
+    b.plot([r["concurrency"] for r in fp8_serve], [r["output_tok_s"] for r in fp8_serve], "o-",
+           label="pagefleet serve FP8 (run M)")
     b.set_xscale("log", base=2)
     b.set_xlabel("concurrency (564 in / 128 out, streaming)")
     b.set_ylabel("output tok/s")
