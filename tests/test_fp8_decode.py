@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pagefleet.worker import LLM, SamplingParams, ops
-from pagefleet.worker.fp8 import Fp8Linear, quantize_linears_fp8
+from pagefleet.worker.fp8 import Fp8Linear, decoder_linears, quantize_linears_fp8
 from pagefleet.worker.models.llama import LlamaForCausalLM, Linear
 
 PROMPTS = [[5], [200], [42]]
@@ -33,13 +33,6 @@ def folded_engine(path):
                 norm.weight.copy_(1 + 0.5 * torch.randn(norm.weight.shape, generator=gen))
     model.fold_norms()  # as the GPU runner does: fold, then quantise
     return llm, model
-
-
-def decoder_linears(model):
-    for layer in model.model.layers:
-        for parent, name in ((layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"), (layer.mlp, "gate_up_proj"),
-                             (layer.mlp, "down_proj")):
-            yield parent, name
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
@@ -70,4 +63,3 @@ def test_fp8_decode_path_matches_the_dequantised_model(tiny_models, arch, monkey
     dq_tokens, dq_logprobs = generate(dq_llm)
     assert tokens == dq_tokens
     assert torch.allclose(logprobs, dq_logprobs, atol=1e-4), (logprobs - dq_logprobs).abs().max()
-

@@ -42,7 +42,13 @@ def quantize_model_fp8(model: nn.Module) -> None:
 
 def quantize_linears_fp8(model: nn.Module) -> None:
     """Every decoder linear -> Fp8Linear (on any device: the CPU runs the references)."""
+    for parent, name in decoder_linears(model):
+        setattr(parent, name, Fp8Linear(getattr(parent, name)))
+
+
+def decoder_linears(model: nn.Module):
+    """(module, attribute name) of each decoder layer's qkv, o_proj, gate_up and down linears."""
     for layer in model.model.layers:
         for parent, name in ((layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"), (layer.mlp, "gate_up_proj"),
                              (layer.mlp, "down_proj")):
-            setattr(parent, name, Fp8Linear(getattr(parent, name)))
+            yield parent, name
