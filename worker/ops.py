@@ -8,7 +8,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pagefleet import kernels
 from pagefleet.kernels import reference as ref
 
 _triton = None  # the kernels modules when Triton is in use, else None
@@ -19,10 +18,10 @@ def use_triton(enabled: bool) -> None:
     if not enabled:
         _triton = None
         return
-    from pagefleet.kernels import activation, attention, gemv, greedy, kv_cache, norm, prefill_attention, rope
+    from pagefleet.kernels import activation, attention, fp8, gemv, greedy, kv_cache, norm, prefill_attention, rope
 
     _triton = {"attention": attention, "kv_cache": kv_cache, "norm": norm, "rope": rope, "activation": activation, "gemv": gemv,
-               "greedy": greedy, "prefill_attention": prefill_attention}
+               "greedy": greedy, "prefill_attention": prefill_attention, "fp8": fp8}
 
 
 SKINNY_MAX_ROWS = 16  # up to this many tokens a linear is a weight read: our GEMV beat cuBLAS there (docs/benchmarks-kernels.md)
@@ -48,7 +47,7 @@ def linear(x, weight, bias=None, out=None, weight_scale=None):
     if _skinny(x, weight, weight_scale):
         return _triton["gemv"].skinny_matmul(x, weight, bias, out=out, weight_scale=weight_scale)
     if weight_scale is not None:
-        y = kernels.fp8_linear(x, weight, weight_scale, bias)
+        y = (_triton["fp8"] if _triton else ref).fp8_linear(x, weight, weight_scale, bias)
         return y if out is None else out.copy_(y)
     if out is None:
         return F.linear(x, weight, bias)
