@@ -57,8 +57,10 @@ def make_checkpoint(name: str, folder: str, num_layers: int | None = None, std: 
     if num_layers:
         config["num_hidden_layers"] = num_layers
     done = os.path.join(folder, "config.json")
-    if os.path.exists(os.path.join(folder, "tokenizer_config.json")) and json.load(open(done)) == config:
-        return folder  # the tokenizer is written last: the weights are all there
+    if os.path.exists(os.path.join(folder, "tokenizer_config.json")):  # written last: the weights are all there
+        with open(done) as f:
+            if json.load(f) == config:
+                return folder
     os.makedirs(folder, exist_ok=True)
     start = time.time()
     gen = torch.Generator(device="cuda").manual_seed(0)
