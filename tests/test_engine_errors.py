@@ -81,3 +81,12 @@ def test_bad_engine_settings_are_refused():
         EngineConfig(gpu_memory_fraction=2).validate()
     with pytest.raises(ValueError, match="block_size must be one of"):
         EngineConfig(block_size=7).validate()
+    with pytest.raises(ValueError, match="quantization must be fp8 or unset, got 'int4'"):
+        EngineConfig(quantization="int4").validate()
+    with pytest.raises(ValueError, match="LoRA adapters run on bf16 / fp32 weights"):
+        EngineConfig(quantization="fp8", enable_lora=True).validate()
+
+
+def test_fp8_without_an_fp8_gpu_fails_at_start_with_the_reason(tiny_models):
+    with pytest.raises(ValueError, match="quantization=fp8 needs an NVIDIA GPU with FP8 tensor cores"):
+        LLM(str(tiny_models["llama"]), max_model_len=64, num_gpu_blocks_override=16, quantization="fp8", device="cpu")

@@ -33,8 +33,8 @@ class Fp8Linear(nn.Module):
         return ops.linear(x, self.weight, self.bias, weight_scale=self.weight_scale)
 
 
-def quantize_model_fp8(model: nn.Module) -> None:
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
+def quantize_model_fp8(model: nn.Module, device: torch.device) -> None:
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9):
         raise ValueError("quantization=fp8 needs an NVIDIA GPU with FP8 tensor cores (Ada or Hopper)")
     quantize_linears_fp8(model)
     torch.cuda.empty_cache()

@@ -84,7 +84,7 @@ class ModelRunner:
         if config.quantization == "fp8":
             from pagefleet.worker.fp8 import quantize_model_fp8
 
-            quantize_model_fp8(self.model)
+            quantize_model_fp8(self.model, self.device)
         self.load_seconds = time.time() - start
         self.lora = None
         if config.enable_lora:  # before the KV cache is sized, so the budget counts the adapter slots
