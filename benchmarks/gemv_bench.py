@@ -289,6 +289,7 @@ def write_results(out_dir, rows, copy_tbps, num_sms, failures, seconds, device_n
 def main():
     args = parse_args()
     device = "cpu" if args.dry_run else "cuda"
+    import_module(K.__name__ + ".arrivals").reserve(device)  # split-K configs merge through them, in graphs too
     dtype = torch.float32 if args.dry_run else torch.bfloat16  # the interpreter mishandles bf16 arithmetic
     shapes = DRY_SHAPES if args.dry_run else SHAPES
     if args.shapes:

@@ -10,6 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .arrivals import counters
 from .rope import rope_and_write_kv, rotate_tile
 
 LOG2E = 1.4426950408889634
@@ -240,7 +241,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale=No
     block_n = block_n or (auto_block_n if D <= 128 else 32)
     split = num_splits > 1
     d_pad = triton.next_power_of_2(D)
-    arrivals = _arrivals(q.device, B * Hkv) if split and merge else None
+    arrivals = counters(q.device, B * Hkv) if split and merge else None
     if split:
         part_acc = torch.empty(B * H * num_splits, d_pad, dtype=torch.float32, device=q.device)
         part_ml = torch.empty(B * H * num_splits, 2, dtype=torch.float32, device=q.device)
@@ -267,18 +268,3 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale=No
         _decode_reduce_kernel[(B, H)](part_acc, part_ml, out, num_splits, H, out.stride(0), out.stride(1),
                                       HEAD_DIM=D, HEAD_DIM_PAD=d_pad, SPLITS_PAD=splits_pad, num_warps=4)
     return out
-
-
-_ARRIVALS_SIZE = 1 << 16  # (sequence, KV head) pairs: 2,048 sequences of 32 KV heads
-_arrivals_by_device: dict = {}
-
-
-def _arrivals(device, pairs):
-    """The zeroed split counters of the in-kernel merge, one buffer per device, allocated outside any graph
-    capture (a capture would record its zeroing into the graph). None where there is none yet, or too
-    few: the separate reduce launch then merges. One buffer per device assumes the decode launches on it
-    run one at a time (the engine's single stream)."""
-    buf = _arrivals_by_device.get(device)
-    if buf is None and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-        buf = _arrivals_by_device[device] = torch.zeros(_ARRIVALS_SIZE, dtype=torch.int32, device=device)
-    return buf if buf is not None and pairs <= buf.numel() else None

@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .arrivals import counters
+
 
 @triton.jit
 def _tile(acc, x_ptr, w_ptr, x_rows, m_mask, w_rows, k0, k_stop, BLOCK_K: tl.constexpr, MASK: tl.constexpr,
@@ -56,69 +58,12 @@ def _tile(acc, x_ptr, w_ptr, x_rows, m_mask, w_rows, k0, k_stop, BLOCK_K: tl.con
     return tl.dot(x.to(w.dtype), tl.trans(w), acc, input_precision=PRECISION)
 
 
-@triton.jit(do_not_specialize=["M", "n_sumsq"])  # batch sizes up to M_PAD share one compile
-def _skinny_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, sumsq_ptr, res_ptr, sumsq_out_ptr, M, N, K, k_per_split,
-                   stride_xm, stride_wn, stride_om, stride_rm, n_sumsq, eps,
-                   HAS_BIAS: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   GATED: tl.constexpr, RMS_IN: tl.constexpr, SUMSQ_PAD: tl.constexpr, ADD_RESIDUAL: tl.constexpr,
-                   UPCAST: tl.constexpr, PRECISION: tl.constexpr, W_FP8: tl.constexpr, NORM_X: tl.constexpr):
-    """Program (n tile, k split): out rows of this split = x[:, split] @ weight[n tile, split].T (+ bias).
-
-    GATED: weight packs [gate; up] (2N rows) and out = silu(x @ gate.T) * (x @ up.T), [M, N]: the program
-    reads the matching gate and up rows, so the gated MLP's activation needs no launch of its own.
-    RMS_IN: x is an RMSNorm's input (the norm's weight folded into this weight's columns) and each row of
-    the product is scaled by rsqrt(mean(x_row**2) + eps), from the n_sumsq partial sums of squares [n, M]
-    that the GEMV which wrote x left behind.
-    ADD_RESIDUAL: out = residual + product (rounded as HF adds), and this program stores its columns' sums of
-    squares of each out row at sumsq_out[pid_n, :], for the RMS_IN GEMV that reads out next.
-    W_FP8: the weight is e4m3 with one fp32 scale per row (scale_ptr, [2N] when GATED): half the bytes to read.
-    NORM_X (W_FP8 with RMS_IN): rstd is applied to x's tiles before the dot rather than to the product after.
-    """
-    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = tl.arange(0, M_PAD)
-    # Rows past N re-read row n % N: every weight load is in bounds without a mask, and those rows are
-    # never stored. int64: vocab x hidden can pass 2**31 elements.
-    w_rows = (offs_n % N).to(tl.int64) * stride_wn
-    # Padded x rows are masked off, not clamped to a real row: every program re-reads its x slice from L2
-    # each tile (at BLOCK_N = 16 as many bytes as the weight tile), and clamped rows all hit the same few
-    # L2 lines (M = 2 ran 2x slower than M = 16 that way).
-    m_mask = offs_m < M
-    x_rows = offs_m * stride_xm
-    k_start = pid_k * k_per_split
-    k_stop = tl.minimum(k_start + k_per_split, K)
-    k_full = k_start + (k_stop - k_start) // BLOCK_K * BLOCK_K
-    acc = tl.zeros([M_PAD, BLOCK_N], dtype=tl.float32)
-    n_mask = offs_n < N
-    rstd = tl.full([M_PAD], 1.0, dtype=tl.float32)
-    if RMS_IN:  # loaded before the weight stream, used after it: its latency hides behind the loop
-        offs_s = tl.arange(0, SUMSQ_PAD)
-        partials = tl.load(sumsq_ptr + offs_s[:, None] * M + offs_m[None, :],
-                           mask=(offs_s[:, None] < n_sumsq) & m_mask[None, :], other=0.0)
-        if NORM_X:  # needed by the first tile
-            rstd = tl.rsqrt(tl.sum(partials, axis=0) / K + eps)
-    # Two loops, not one with an optional second accumulator: the plain GEMV keeps exactly the loop that
-    # was measured (a restructured one, for the PDL experiment in docs/benchmarks.md, ran slower).
-    if GATED:
-        up_rows = w_rows + N * stride_wn
-        acc_up = tl.zeros([M_PAD, BLOCK_N], dtype=tl.float32)
-        for k0 in range(k_start, k_full, BLOCK_K):  # x's tile is re-read from L2 for the up rows
-            acc = _tile(acc, x_ptr, w_ptr, x_rows, m_mask, w_rows, k0, k_stop, BLOCK_K, False, UPCAST, PRECISION,
-                        W_FP8, rstd, NORM_X)
-            acc_up = _tile(acc_up, x_ptr, w_ptr, x_rows, m_mask, up_rows, k0, k_stop, BLOCK_K, False, UPCAST,
-                           PRECISION, W_FP8, rstd, NORM_X)
-        if k_full < k_stop:
-            acc = _tile(acc, x_ptr, w_ptr, x_rows, m_mask, w_rows, k_full, k_stop, BLOCK_K, True, UPCAST, PRECISION,
-                        W_FP8, rstd, NORM_X)
-            acc_up = _tile(acc_up, x_ptr, w_ptr, x_rows, m_mask, up_rows, k_full, k_stop, BLOCK_K, True, UPCAST,
-                           PRECISION, W_FP8, rstd, NORM_X)
-    else:
-        for k0 in range(k_start, k_full, BLOCK_K):
-            acc = _tile(acc, x_ptr, w_ptr, x_rows, m_mask, w_rows, k0, k_stop, BLOCK_K, False, UPCAST, PRECISION,
-                        W_FP8, rstd, NORM_X)
-        if k_full < k_stop:
-            acc = _tile(acc, x_ptr, w_ptr, x_rows, m_mask, w_rows, k_full, k_stop, BLOCK_K, True, UPCAST, PRECISION,
-                        W_FP8, rstd, NORM_X)
+@triton.jit
+def _epilogue(acc, acc_up, scale_ptr, bias_ptr, out_ptr, res_ptr, sumsq_out_ptr, partials, offs_m, offs_n, m_mask,
+              n_mask, M, N, K, eps, pid_n, stride_om, stride_rm, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
+              RMS_IN: tl.constexpr, ADD_RESIDUAL: tl.constexpr, W_FP8: tl.constexpr, NORM_X: tl.constexpr):
+    """The whole sum's finish: FP8 row scales, a folded norm's rstd, bias, silu(gate) * up, the residual add
+    with its sums of squares, and the store."""
     if W_FP8:  # sum(x_k * q_nk * s_n) = s_n * sum(x_k * q_nk)
         acc *= tl.load(scale_ptr + offs_n % N)[None, :]
         if GATED:
@@ -141,24 +86,102 @@ def _skinny_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, sumsq_ptr, res_pt
         acc = (acc.to(out_ptr.dtype.element_ty).to(tl.float32) + res.to(tl.float32)).to(out_ptr.dtype.element_ty)
         acc = tl.where(out_mask, acc.to(tl.float32), 0.0)
         tl.store(sumsq_out_ptr + pid_n * M + offs_m, tl.sum(acc * acc, axis=1), mask=m_mask)
-    # With split-K, out is the fp32 workspace [split_k, M, N] (stride_om = N) and this split writes its slab.
-    rows = pid_k * M + offs_m
-    tl.store(out_ptr + rows[:, None] * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
-@triton.jit(do_not_specialize=["M", "split_k"])
-def _split_reduce_kernel(part_ptr, bias_ptr, out_ptr, M, N, split_k, stride_om, HAS_BIAS: tl.constexpr,
-                         BLOCK: tl.constexpr):
-    """Program (n tile, row): out = the split partials summed in split order (deterministic) + bias."""
-    pid_n, row = tl.program_id(0), tl.program_id(1)
-    offs_n = pid_n * BLOCK + tl.arange(0, BLOCK)
-    mask = offs_n < N
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for s in range(split_k):
-        acc += tl.load(part_ptr + (s * M + row) * N + offs_n, mask=mask, other=0.0)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_om + offs_n, acc.to(out_ptr.dtype.element_ty), mask=mask)
+@triton.jit(do_not_specialize=["M", "n_sumsq", "split_k"])  # batch sizes up to M_PAD share one compile
+def _skinny_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, sumsq_ptr, res_ptr, sumsq_out_ptr, part_ptr, counts_ptr,
+                   M, N, K, k_per_split, split_k, stride_xm, stride_wn, stride_om, stride_rm, n_sumsq, eps,
+                   HAS_BIAS: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   GATED: tl.constexpr, RMS_IN: tl.constexpr, SUMSQ_PAD: tl.constexpr, ADD_RESIDUAL: tl.constexpr,
+                   UPCAST: tl.constexpr, PRECISION: tl.constexpr, W_FP8: tl.constexpr, NORM_X: tl.constexpr,
+                   SPLIT: tl.constexpr):
+    """Program (n tile, k split): out rows of this n tile = x @ weight[n tile].T (+ bias), over one K slice.
+
+    GATED: weight packs [gate; up] (2N rows) and out = silu(x @ gate.T) * (x @ up.T), [M, N]: the program
+    reads the matching gate and up rows, so the gated MLP's activation needs no launch of its own.
+    RMS_IN: x is an RMSNorm's input (the norm's weight folded into this weight's columns) and each row of
+    the product is scaled by rsqrt(mean(x_row**2) + eps), from the n_sumsq partial sums of squares [n, M]
+    that the GEMV which wrote x left behind.
+    ADD_RESIDUAL: out = residual + product (rounded as HF adds), and this program stores its columns' sums of
+    squares of each out row at sumsq_out[pid_n, :], for the RMS_IN GEMV that reads out next.
+    W_FP8: the weight is e4m3 with one fp32 scale per row (scale_ptr, [2N] when GATED): half the bytes to read.
+    NORM_X (W_FP8 with RMS_IN): rstd is applied to x's tiles before the dot rather than to the product after.
+    SPLIT: each of the split_k programs of an n tile stores its fp32 partial (part_ptr, [split_k, M, N or 2N]);
+    the last to arrive (counts_ptr, one counter per n tile) sums them in split order and finishes, so a
+    split GEMV is still one launch and its result does not depend on which split finished last.
+    """
+    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, M_PAD)
+    # Rows past N re-read row n % N: every weight load is in bounds without a mask, and those rows are
+    # never stored. int64: vocab x hidden can pass 2**31 elements.
+    w_rows = (offs_n % N).to(tl.int64) * stride_wn
+    # Padded x rows are masked off, not clamped to a real row: every program re-reads its x slice from L2
+    # each tile (at BLOCK_N = 16 as many bytes as the weight tile), and clamped rows all hit the same few
+    # L2 lines (M = 2 ran 2x slower than M = 16 that way).
+    m_mask = offs_m < M
+    x_rows = offs_m * stride_xm
+    k_start = pid_k * k_per_split
+    k_stop = tl.minimum(k_start + k_per_split, K)
+    k_full = k_start + (k_stop - k_start) // BLOCK_K * BLOCK_K
+    acc = tl.zeros([M_PAD, BLOCK_N], dtype=tl.float32)
+    acc_up = acc
+    n_mask = offs_n < N
+    rstd = tl.full([M_PAD], 1.0, dtype=tl.float32)
+    partials = rstd[None, :]
+    if RMS_IN:  # loaded before the weight stream, used after it: its latency hides behind the loop
+        offs_s = tl.arange(0, SUMSQ_PAD)
+        partials = tl.load(sumsq_ptr + offs_s[:, None] * M + offs_m[None, :],
+                           mask=(offs_s[:, None] < n_sumsq) & m_mask[None, :], other=0.0)
+        if NORM_X:  # needed by the first tile
+            rstd = tl.rsqrt(tl.sum(partials, axis=0) / K + eps)
+    # Two loops, not one with an optional second accumulator: the plain GEMV keeps exactly the loop that
+    # was measured (a restructured one, for the PDL experiment in docs/benchmarks.md, ran slower).
+    if GATED:
+        up_rows = w_rows + N * stride_wn
+        for k0 in range(k_start, k_full, BLOCK_K):  # x's tile is re-read from L2 for the up rows
+            acc = _tile(acc, x_ptr, w_ptr, x_rows, m_mask, w_rows, k0, k_stop, BLOCK_K, False, UPCAST, PRECISION,
+                        W_FP8, rstd, NORM_X)
+            acc_up = _tile(acc_up, x_ptr, w_ptr, x_rows, m_mask, up_rows, k0, k_stop, BLOCK_K, False, UPCAST,
+                           PRECISION, W_FP8, rstd, NORM_X)
+        if k_full < k_stop:
+            acc = _tile(acc, x_ptr, w_ptr, x_rows, m_mask, w_rows, k_full, k_stop, BLOCK_K, True, UPCAST, PRECISION,
+                        W_FP8, rstd, NORM_X)
+            acc_up = _tile(acc_up, x_ptr, w_ptr, x_rows, m_mask, up_rows, k_full, k_stop, BLOCK_K, True, UPCAST,
+                           PRECISION, W_FP8, rstd, NORM_X)
+    else:
+        for k0 in range(k_start, k_full, BLOCK_K):
+            acc = _tile(acc, x_ptr, w_ptr, x_rows, m_mask, w_rows, k0, k_stop, BLOCK_K, False, UPCAST, PRECISION,
+                        W_FP8, rstd, NORM_X)
+        if k_full < k_stop:
+            acc = _tile(acc, x_ptr, w_ptr, x_rows, m_mask, w_rows, k_full, k_stop, BLOCK_K, True, UPCAST, PRECISION,
+                        W_FP8, rstd, NORM_X)
+    if SPLIT:
+        width = 2 * N if GATED else N
+        part_mask = m_mask[:, None] & n_mask[None, :]
+        cols = offs_m[:, None] * width + offs_n[None, :]
+        tl.store(part_ptr + pid_k * M * width + cols, acc, mask=part_mask)
+        if GATED:
+            tl.store(part_ptr + pid_k * M * width + N + cols, acc_up, mask=part_mask)
+        # The partial stores come before the release; the last arrival's acquire makes every split's visible.
+        tl.debug_barrier()
+        if tl.atomic_add(counts_ptr + pid_n, 1, sem="acq_rel") == split_k - 1:
+            tl.store(counts_ptr + pid_n, 0)  # back to 0 for the next launch
+            acc = tl.zeros([M_PAD, BLOCK_N], dtype=tl.float32)
+            acc_up = acc
+            for s in range(split_k):
+                acc += tl.load(part_ptr + s * M * width + cols, mask=part_mask, other=0.0, cache_modifier=".cg")
+                if GATED:
+                    acc_up += tl.load(part_ptr + s * M * width + N + cols, mask=part_mask, other=0.0,
+                                      cache_modifier=".cg")
+            _epilogue(acc, acc_up, scale_ptr, bias_ptr, out_ptr, res_ptr, sumsq_out_ptr, partials, offs_m, offs_n,
+                      m_mask, n_mask, M, N, K, eps, pid_n, stride_om, stride_rm, HAS_BIAS, GATED, RMS_IN, ADD_RESIDUAL,
+                      W_FP8, NORM_X)
+    else:
+        _epilogue(acc, acc_up, scale_ptr, bias_ptr, out_ptr, res_ptr, sumsq_out_ptr, partials, offs_m, offs_n, m_mask,
+                  n_mask, M, N, K, eps, pid_n, stride_om, stride_rm, HAS_BIAS, GATED, RMS_IN, ADD_RESIDUAL, W_FP8,
+                  NORM_X)
 
 
 @functools.lru_cache(maxsize=None)
@@ -166,22 +189,35 @@ def _num_sms(index):
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def default_config(M, N, K, num_sms=132, weight_bytes=2):
-    """(block_n, block_k, num_warps, num_stages, split_k) for x [M, K] @ weight [N, K].T, M <= 16.
+def default_config(M, N, K, num_sms=132, weight_bytes=2, gated=False):
+    """(block_n, block_k, num_warps, num_stages, split_k) for x [M, K] @ weight [N, K].T, M <= 16; gated: N
+    counts gate and up rows, and block_n is the rows of each half a program reads.
 
-    Swept on the H200 (benchmarks/gemv_bench.py): the largest BLOCK_N (16..64) that still gives every SM
-    4 programs, tiles of ~4096 weight elements (BLOCK_K 256 at 16 rows, 128 above), 2 warps, 4 stages
+    bf16, swept on the H200 (benchmarks/gemv_bench.py): the largest BLOCK_N (16..64) that still gives every
+    SM 4 programs, tiles of ~4096 weight elements (BLOCK_K 256 at 16 rows, 128 above), 2 warps, 4 stages
     for the small tile. The same config was best or within ~2% for every M in 1..16 and for K = 4096 and
-    14336, so only N matters. Split-K lost wherever it was tried (o_proj 12.3 us against 11.1).
+    14336, so only N matters. A gated program takes the unfused tile split in two (16 and 32 rows a half
+    measured the same). Split K only for down's long rows (K = 14336: 30.5 us against 31.3 at M = 1, in
+    32-row tiles cut in 4); on qkv and o_proj it lost (scratch sweep, run N in docs/benchmarks.md).
+
+    FP8 (weight-only): each tile converts in registers before the dot, so a program does more work per
+    byte and the small-N linears need more programs than their row tiles give. 64-row tiles with 4 warps
+    (gate_up 32.1 us against 38.1 at 32 rows a half), K split until the GPU has 2-3 programs an SM:
+    qkv 18.5 -> 12.5 us, o_proj 11.6 -> 9.2, down 30.3 -> 19.2 (M = 1, H200, run N).
     """
-    if weight_bytes == 1:  # FP8: tiles convert in registers before the dot, and other sizes win
-        if triton.cdiv(N, 64) >= 2 * num_sms:  # gate_up: 34.7 us at 64 x 256 with 4 warps, 44-50 at 32 rows
-            return 64, 256, 4, 3, 1
-        return 16, 512, 2, 4, 1
+    if weight_bytes == 1:
+        grid_n = triton.cdiv(N // 2 if gated else N, 64)
+        split_k = 1
+        while split_k < 8 and grid_n * split_k * 2 <= 3 * num_sms:
+            split_k *= 2
+        return 64, 256, 4, 3, split_k
+    if K >= 3 * N:  # down_proj
+        return 32, 128, 2, 3, 4
     block_n = 64
     while block_n > 16 and triton.cdiv(N, block_n) < 4 * num_sms:
         block_n //= 2
-    return block_n, max(128, 4096 // block_n), 2, 4 if block_n == 16 else 3, 1
+    config = block_n, max(128, 4096 // block_n), 2, 4 if block_n == 16 else 3, 1
+    return (max(16, block_n // 2),) + config[1:] if gated else config
 
 
 def skinny_matmul(x, weight, bias=None, out=None, block_n=None, block_k=None, num_warps=None, num_stages=None,
@@ -190,9 +226,10 @@ def skinny_matmul(x, weight, bias=None, out=None, block_n=None, block_k=None, nu
 
     weight is nn.Linear's, row-major, same dtype as x; x and out need a contiguous last dim. Built for
     M <= 16 (one compile); larger M stays correct, padded to a power of two, but belongs to cuBLAS.
-    split_k > 1 writes fp32 partials to a workspace and adds a second, deterministic reduce launch
-    (chosen over fp32 atomics, which need a zeroed buffer, a third launch for the cast, and add in
-    arbitrary order).
+    split_k > 1 cuts K into that many slices, a program each: their fp32 partials go to a workspace and the
+    last slice of a column tile to finish sums them in slice order (deterministic; one launch, no atomics
+    on the data) and applies everything below to the whole sum. It needs the device's arrival counters
+    (arrivals.reserve before a graph capture); without them the GEMV runs unsplit.
     gated=True: weight (and bias) pack [gate; up], and the result is silu(gate) * up, [M, N // 2].
     sumsq [n, M] fp32 (an RMSNorm folded in): x is the norm's input, the norm's weight is already in weight's
     columns, and sumsq holds partial sums of x's squared rows; the product is scaled by each row's rstd.
@@ -216,44 +253,33 @@ def skinny_matmul(x, weight, bias=None, out=None, block_n=None, block_k=None, nu
     if M == 0 or N == 0:
         return out
     num_sms = _num_sms(x.device.index) if x.is_cuda else 132
-    # gated: a program reads block_n gate rows and block_n up rows, so it takes the unfused GEMM's tile
-    # split in two (H200, Llama-3.1-8B's gate_up: 16 and 32 rows a half measured the same)
-    defaults = default_config(M, weight.shape[0], K, num_sms, weight.element_size())
-    if gated:
-        defaults = (max(16, defaults[0] // 2),) + defaults[1:]
+    defaults = default_config(M, weight.shape[0], K, num_sms, weight.element_size(), gated)
     block_n, block_k, num_warps, num_stages, split_k = (
         given or default for given, default in zip((block_n, block_k, num_warps, num_stages, split_k), defaults))
     if block_n < 16 or block_k < 16:
         raise ValueError(f"block_n={block_n}, block_k={block_k}: tl.dot needs 16 or more")
-    if split_k > 1 and (gated or sumsq is not None or residual is not None):
-        raise ValueError("gated, sumsq and residual need split_k=1: they apply to the whole sum")
     # Whole BLOCK_K tiles per split, and no empty split.
     k_per_split = triton.cdiv(triton.cdiv(max(K, 1), split_k), block_k) * block_k
     split_k = triton.cdiv(max(K, 1), k_per_split)
-    if split_k > 1:
-        dest, stride_om = torch.empty(split_k, M, N, dtype=torch.float32, device=x.device), N
-    else:
-        dest, stride_om = out, out.stride(0)
     grid_n = triton.cdiv(N, block_n)
+    counts = counters(x.device, grid_n) if split_k > 1 else None
+    if counts is None:  # unsplit, or no counters yet inside a graph capture (arrivals.reserve first)
+        split_k, k_per_split = 1, max(K, 1)
+    parts = x if counts is None else torch.empty(split_k, M, 2 * N if gated else N, dtype=torch.float32, device=x.device)
     if sumsq is not None:
         assert sumsq.dtype == torch.float32 and sumsq.is_contiguous() and sumsq.shape[1] == M
     if residual is not None:
         assert residual.shape == (M, N) and residual.stride(-1) == 1 and not gated
         sumsq_out = torch.empty(grid_n, M, dtype=torch.float32, device=x.device)
     _skinny_kernel[(grid_n, split_k)](
-        x, weight, weight_scale if fp8 else x, bias if bias is not None else x, dest, sumsq if sumsq is not None else x,
-        residual if residual is not None else x, sumsq_out if residual is not None else x, M, N, K, k_per_split,
-        x.stride(0), weight.stride(0), stride_om, residual.stride(0) if residual is not None else 0,
-        sumsq.shape[0] if sumsq is not None else 0, eps,
-        HAS_BIAS=bias is not None and split_k == 1, M_PAD=max(16, triton.next_power_of_2(M)),
+        x, weight, weight_scale if fp8 else x, bias if bias is not None else x, out, sumsq if sumsq is not None else x,
+        residual if residual is not None else x, sumsq_out if residual is not None else x, parts,
+        x if counts is None else counts, M, N, K, k_per_split, split_k, x.stride(0), weight.stride(0), out.stride(0),
+        residual.stride(0) if residual is not None else 0, sumsq.shape[0] if sumsq is not None else 0, eps,
+        HAS_BIAS=bias is not None, M_PAD=max(16, triton.next_power_of_2(M)),
         BLOCK_N=block_n, BLOCK_K=block_k, GATED=gated, RMS_IN=sumsq is not None,
         SUMSQ_PAD=triton.next_power_of_2(sumsq.shape[0]) if sumsq is not None else 1,
         ADD_RESIDUAL=residual is not None, UPCAST=not x.is_cuda, W_FP8=fp8, NORM_X=fp8 and sumsq is not None,
         PRECISION="ieee" if weight.dtype == torch.float32 else "tf32",  # fp32 weights: no silent tf32
-        num_warps=num_warps, num_stages=num_stages)
-    if split_k > 1:
-        block = min(1024, triton.next_power_of_2(N))
-        _split_reduce_kernel[(triton.cdiv(N, block), M)](
-            dest, bias if bias is not None else dest, out, M, N, split_k, out.stride(0), HAS_BIAS=bias is not None,
-            BLOCK=block, num_warps=4)
+        SPLIT=split_k > 1, num_warps=num_warps, num_stages=num_stages)
     return (out, sumsq_out) if residual is not None else out

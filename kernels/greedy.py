@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .arrivals import counters
+
 
 @triton.jit
 def _argmax_kernel(logits_ptr, out_ptr, part_val_ptr, part_idx_ptr, counts_ptr, V, chunk, num_chunks, stride_row,
@@ -46,17 +48,16 @@ def _argmax_kernel(logits_ptr, out_ptr, part_val_ptr, part_idx_ptr, counts_ptr, 
         tl.store(out_ptr + row, tl.min(tl.where(vals == top, idxs, V), axis=0).to(tl.int64))
 
 
-_workspace_by_device: dict = {}
+_partials_by_device: dict = {}
 
 
-def _workspace(device, rows, slots):
-    """Per-row counters (zero between launches) and the chunks' partials, kept per device (launches on
-    one stream run one after another), so a call allocates only its output."""
-    ws = _workspace_by_device.get(device)
-    if ws is None or ws[0].numel() < rows or ws[1].numel() < slots:
-        ws = _workspace_by_device[device] = (torch.zeros(max(rows, 1024), dtype=torch.int32, device=device),
-                                             torch.empty(max(slots, 1 << 16), dtype=torch.float32, device=device),
-                                             torch.empty(max(slots, 1 << 16), dtype=torch.int32, device=device))
+def _partials(device, slots):
+    """The chunks' partials (value, index), kept per device (launches on one stream run one after another),
+    so a call allocates only its output."""
+    ws = _partials_by_device.get(device)
+    if ws is None or ws[0].numel() < slots:
+        ws = _partials_by_device[device] = (torch.empty(max(slots, 1 << 16), dtype=torch.float32, device=device),
+                                            torch.empty(max(slots, 1 << 16), dtype=torch.int32, device=device))
     return ws
 
 
@@ -64,7 +65,7 @@ def argmax(logits: torch.Tensor, num_chunks: int | None = None, block: int = 204
     """logits [R, V] (last dim contiguous) -> int64 [R], the first index of each row's maximum.
 
     By default about 264 programs (two per H200 SM) share the work, each chunk at least one block.
-    Not for use inside a CUDA graph capture (the workspace is allocated on first use).
+    Not for use inside a CUDA graph capture (the workspaces are allocated on first use).
     """
     R, V = logits.shape
     assert logits.stride(-1) == 1
@@ -75,7 +76,9 @@ def argmax(logits: torch.Tensor, num_chunks: int | None = None, block: int = 204
         num_chunks = max(1, min(triton.cdiv(V, block), triton.cdiv(264, R)))
     chunk = triton.cdiv(triton.cdiv(V, num_chunks), block) * block  # whole blocks per chunk
     num_chunks = triton.cdiv(V, chunk)
-    counts, part_val, part_idx = _workspace(logits.device, R, R * num_chunks)
+    part_val, part_idx = _partials(logits.device, R * num_chunks)
+    counts = counters(logits.device, R)
+    assert counts is not None, "argmax: more rows than arrival counters, or first used inside a graph capture"
     _argmax_kernel[(R, num_chunks)](logits, out, part_val, part_idx, counts, V, chunk, num_chunks,
                                     logits.stride(0), BLOCK=block, CHUNKS_PAD=max(2, triton.next_power_of_2(num_chunks)),
                                     num_warps=4)

@@ -193,6 +193,51 @@ def test_skinny_matmul_fp8_weight(shape, M):
         close(got, ref.skinny_matmul(normed, dequant, gated=gated), BF)
 
 
+@pytest.mark.parametrize("fp8", [False, True])
+def test_split_gemvs_in_a_graph(fp8):
+    """The default configs split K for down (bf16) and for qkv, o_proj and down (FP8): those GEMVs, as the
+    folded decode layer calls them, captured in one CUDA graph and replayed over new inputs, each replay
+    merging through counters that the previous one left at 0."""
+    from pagefleet.kernels import arrivals, gemv
+
+    H, I = LLAMA_8B_LINEARS["o_proj"][0], LLAMA_8B_LINEARS["down"][1]
+    ws = {name: (torch.randn(*LLAMA_8B_LINEARS[name], device="cuda") / LLAMA_8B_LINEARS[name][1] ** 0.5).to(BF)
+          for name in ("qkv", "o_proj", "down")}
+    if fp8:
+        assert all(gemv.default_config(1, *LLAMA_8B_LINEARS[n], 132, 1)[-1] > 1 for n in ws)
+        ws = {name: ref.quantize_weight_fp8(w) for name, w in ws.items()}
+    else:
+        assert gemv.default_config(1, *LLAMA_8B_LINEARS["down"])[-1] > 1
+        ws = {name: (w, None) for name, w in ws.items()}
+    dense = {name: w.float() * (1 if s is None else s[:, None]) for name, (w, s) in ws.items()}
+    x, act, residual = (torch.empty(8, k, device="cuda", dtype=BF) for k in (H, I, H))
+    sumsq = torch.empty(1, 8, device="cuda")
+    arrivals.reserve("cuda")
+
+    def layer():
+        qkv = gemv.skinny_matmul(x, ws["qkv"][0], sumsq=sumsq, eps=1e-5, weight_scale=ws["qkv"][1])
+        h, _ = gemv.skinny_matmul(x, ws["o_proj"][0], residual=residual, weight_scale=ws["o_proj"][1])
+        out, _ = gemv.skinny_matmul(act, ws["down"][0], residual=h, weight_scale=ws["down"][1])
+        return qkv, h, out
+
+    layer()  # compiles outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = layer()
+    for _ in range(3):
+        for t in (x, act, residual):
+            t.copy_(torch.randn_like(t))
+        sumsq.copy_(x.float().square().sum(-1)[None])
+        for o in outs:
+            o.fill_(float("nan"))
+        graph.replay()
+        close(outs[0], ref.skinny_matmul(ref.rms_norm(x.float(), torch.ones(H, device="cuda"), 1e-5), dense["qkv"]), BF)
+        h = ref.skinny_matmul(x.float(), dense["o_proj"], residual=residual.float())[0]
+        close(outs[1], h, BF)
+        close(outs[2], ref.skinny_matmul(act.float(), dense["down"], residual=outs[1].float())[0], BF)
+    assert not arrivals.counters(torch.device("cuda"), 0).any()
+
+
 @pytest.mark.parametrize("M", [1, 4, 16])
 def test_folded_norm_gemvs_bf16(M):
     """Llama-3.1-8B's o_proj adding into the stream, then gate_up reading it through a folded RMSNorm

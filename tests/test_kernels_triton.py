@@ -12,8 +12,8 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="interpreter tests: run by test_kernels.py in a child process")
 if os.environ.get("TRITON_INTERPRET") == "1":
     triton = pytest.importorskip("triton")
-    from pagefleet.kernels import activation, attention, fp8, gemv, greedy, kv_cache, norm, prefill_attention, rope
-    TK = {"attention": attention, "kv_cache": kv_cache, "norm": norm, "rope": rope, "activation": activation,
+    from pagefleet.kernels import activation, arrivals, attention, fp8, gemv, greedy, kv_cache, norm, prefill_attention, rope
+    TK = {"arrivals": arrivals, "attention": attention, "kv_cache": kv_cache, "norm": norm, "rope": rope, "activation": activation,
           "fp8": fp8, "gemv": gemv, "greedy": greedy, "prefill_attention": prefill_attention}
 
 from pagefleet.kernels import reference as ref
@@ -50,8 +50,7 @@ def test_triton_decode_attention(dtype, group, num_splits, merge):
         TK["attention"].paged_decode_attention(q, k_cache, v_cache, bt, seq_lens, out=out, num_splits=num_splits,
                                                block_n=16, merge=merge)
         close(out, expected, dtype)
-    arrivals = TK["attention"]._arrivals_by_device.get(q.device)
-    assert arrivals is None or not arrivals.any()
+    assert not TK["arrivals"].counters(q.device, 0).any()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -187,7 +186,7 @@ def test_triton_argmax(dtype, num_chunks):
         x[5] = float("-inf")  # every logit banned: index 0, as torch
         got = TK["greedy"].argmax(x, num_chunks=num_chunks, block=64)
         assert got.dtype == torch.int64 and torch.equal(got, ref.argmax(x)), (got, ref.argmax(x))
-    assert not TK["greedy"]._workspace_by_device[x.device][0].any()
+    assert not TK["arrivals"].counters(x.device, 0).any()
 
 
 def test_triton_fp8_quantize():
@@ -222,9 +221,10 @@ def test_triton_attention_odd_shapes(block_size):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("M", [1, 3, 16])
-@pytest.mark.parametrize("split_k", [1, 2])
+@pytest.mark.parametrize("split_k", [1, 2, 3])
 def test_triton_gemv(dtype, M, split_k):
-    """K = 100 (a K tail after whole 32-wide tiles), N = 70 (a partial 16-row tile), bias, poisoned out."""
+    """K = 100 (a K tail after whole 32-wide tiles), N = 70 (a partial 16-row tile), bias, poisoned out.
+    Split K: the last slice to finish merges, and leaves its counter at 0 for the next launch."""
     gen = torch.Generator().manual_seed(11)
     x = torch.randn(M, 100, generator=gen).to(dtype)
     w = torch.randn(70, 100, generator=gen).to(dtype)
@@ -235,6 +235,7 @@ def test_triton_gemv(dtype, M, split_k):
     got = TK["gemv"].skinny_matmul(x, w, block_n=16, block_k=32, split_k=split_k)
     assert got.shape == (M, 70) and got.dtype == dtype
     close(got, ref.skinny_matmul(x.float(), w.float()), dtype)
+    assert not TK["arrivals"].counters(x.device, 0).any()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -252,8 +253,8 @@ def test_triton_gemv_gated(dtype, M, K):
     close(out, ref.skinny_matmul(x.float(), w.float(), bias.float(), gated=True), dtype)
     unfused = TK["activation"].silu_and_mul(TK["gemv"].skinny_matmul(x, w, bias, block_n=16, block_k=32))
     assert torch.equal(out, unfused)
-    with pytest.raises(ValueError):
-        TK["gemv"].skinny_matmul(x, w, gated=True, split_k=2)
+    split = TK["gemv"].skinny_matmul(x, w, bias, block_n=16, block_k=32, gated=True, split_k=3)  # silu after the merge
+    close(split, ref.skinny_matmul(x.float(), w.float(), bias.float(), gated=True), dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -281,8 +282,14 @@ def test_triton_gemv_folded_norm(dtype, M):
     close(got, ref.skinny_matmul(normed, w2, b2.to(dtype).float()), dtype)
     gated = TK["gemv"].skinny_matmul(out, folded, sumsq=sumsq, eps=eps, gated=True, block_n=16, block_k=32)
     close(gated, ref.skinny_matmul(normed, w2, gated=True), dtype)
-    with pytest.raises(ValueError):
-        TK["gemv"].skinny_matmul(x, w, residual=residual, split_k=2)
+
+    # split K: the residual add, its sums of squares and the rstd scale apply to the merged sum
+    split, split_sumsq = TK["gemv"].skinny_matmul(x, w, bias, block_n=16, block_k=32, residual=residual, split_k=3)
+    close(split, expected, dtype)
+    close(split_sumsq.sum(0), split.float().square().sum(-1), torch.float32)
+    split_normed = TK["gemv"].skinny_matmul(out, folded, b2.to(dtype), sumsq=sumsq, eps=eps, block_n=16, block_k=32,
+                                            split_k=2)
+    close(split_normed, ref.skinny_matmul(normed, w2, b2.to(dtype).float()), dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -315,8 +322,15 @@ def test_triton_gemv_fp8_weight(dtype, M):
     w2, eps = torch.randn(2 * 40, 70, generator=gen), 1e-5
     q2, s2 = ref.quantize_weight_fp8(w2)
     got = TK["gemv"].skinny_matmul(h, q2, sumsq=sumsq, eps=eps, gated=True, block_n=16, block_k=32, weight_scale=s2)
-    close(got, ref.skinny_matmul(ref.rms_norm(h.float(), torch.ones(70), eps), q2.float() * s2[:, None], gated=True),
-          dtype)
+    expected = ref.skinny_matmul(ref.rms_norm(h.float(), torch.ones(70), eps), q2.float() * s2[:, None], gated=True)
+    close(got, expected, dtype)
+    for split_k in (2, 3):  # every slice normalises its own x tiles; the scales apply after the merge
+        got = TK["gemv"].skinny_matmul(h, q2, sumsq=sumsq, eps=eps, gated=True, block_n=16, block_k=32,
+                                       weight_scale=s2, split_k=split_k)
+        close(got, expected, dtype)
+        split_h, _ = TK["gemv"].skinny_matmul(x, w8, residual=residual, block_n=16, block_k=32, weight_scale=scale,
+                                              split_k=split_k)
+        close(split_h, h, dtype)
     with pytest.raises(AssertionError):
         TK["gemv"].skinny_matmul(x, w8, weight_scale=scale.half())  # fp32 scales only
 

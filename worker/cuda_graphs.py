@@ -16,6 +16,7 @@ import time
 import numpy as np
 import torch
 
+from pagefleet.worker import ops
 from pagefleet.worker.attention import AttentionMetadata, set_attention_metadata
 
 
@@ -53,6 +54,7 @@ class DecodeGraphs:
     @torch.inference_mode()
     def capture(self) -> None:
         start = time.time()
+        ops.reserve_arrivals(self.tokens.device)  # split GEMVs and attention merge through them
         pool = None
         ids, positions, slots = self.tokens
         for bs in reversed(self.sizes):  # largest first, so smaller graphs reuse its memory pool

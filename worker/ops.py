@@ -18,9 +18,9 @@ def use_triton(enabled: bool) -> None:
     if not enabled:
         _triton = None
         return
-    from pagefleet.kernels import activation, attention, fp8, gemv, greedy, kv_cache, norm, prefill_attention, rope
+    from pagefleet.kernels import activation, arrivals, attention, fp8, gemv, greedy, kv_cache, norm, prefill_attention, rope
 
-    _triton = {"attention": attention, "kv_cache": kv_cache, "norm": norm, "rope": rope, "activation": activation, "gemv": gemv,
+    _triton = {"arrivals": arrivals, "attention": attention, "kv_cache": kv_cache, "norm": norm, "rope": rope, "activation": activation, "gemv": gemv,
                "greedy": greedy, "prefill_attention": prefill_attention, "fp8": fp8}
 
 
@@ -34,6 +34,12 @@ def skinny_rows(x) -> bool:
     (--enforce-eager at batch 1 went from ~14 to ~49 ms a step), and a graph replays it for free."""
     return bool(_triton and x.shape[0] <= SKINNY_MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16)
                 and torch.cuda.is_current_stream_capturing())
+
+
+def reserve_arrivals(device) -> None:
+    """Allocate the merging kernels' counters before a graph capture, which could not zero them."""
+    if _triton:
+        _triton["arrivals"].reserve(device)
 
 
 def _skinny(x, weight, weight_scale=None) -> bool:
