@@ -203,14 +203,15 @@ def default_config(M, N, K, num_sms=132, weight_bytes=2, gated=False):
     FP8 (weight-only): each tile converts in registers before the dot, so a program does more work per
     byte and the small-N linears need more programs than their row tiles give. 64-row tiles with 4 warps
     (gate_up 32.1 us against 38.1 at 32 rows a half), K split until the GPU has 2-3 programs an SM:
-    qkv 18.5 -> 12.5 us, o_proj 11.6 -> 9.2, down 30.3 -> 19.2 (M = 1, H200, run N).
+    qkv 18.5 -> 12.5 us, o_proj 11.6 -> 9.2, down 30.3 -> 19.2 (M = 1, H200, run N). At 17-32 rows
+    (ops.SKINNY_MAX_ROWS_FP8) the same splits with 128-wide K tiles were best.
     """
     if weight_bytes == 1:
         grid_n = triton.cdiv(N // 2 if gated else N, 64)
         split_k = 1
         while split_k < 8 and grid_n * split_k * 2 <= 3 * num_sms:
             split_k *= 2
-        return 64, 256, 4, 3, split_k
+        return 64, 256 if M <= 16 else 128, 4, 3, split_k
     if K >= 3 * N:  # down_proj
         return 32, 128, 2, 3, 4
     block_n = 64

@@ -45,7 +45,7 @@ def test_fp8_decode_path_matches_the_dequantised_model(tiny_models, arch, monkey
         return real_forward_folded(self, hidden, positions)
 
     monkeypatch.setattr(LlamaForCausalLM, "forward_folded", forward_folded)
-    monkeypatch.setattr(ops, "skinny_rows", lambda x: x.shape[0] <= ops.SKINNY_MAX_ROWS)
+    monkeypatch.setattr(ops, "skinny_rows", lambda x, fp8=False: x.shape[0] <= ops.SKINNY_MAX_ROWS)
     monkeypatch.setattr(ops, "_skinny", lambda *args: False)  # no Triton GEMV here: lm_head stays on torch
 
     fp8_llm, fp8_model = folded_engine(tiny_models[arch])

@@ -162,7 +162,7 @@ def test_skinny_matmul_bf16(shape, M):
 
 
 @pytest.mark.parametrize("shape", ["qkv", "o_proj", "gate_up", "down"])
-@pytest.mark.parametrize("M", [1, 8, 16])
+@pytest.mark.parametrize("M", [1, 8, 16, 32])  # FP8 graphs use the GEMV up to 32 rows
 def test_skinny_matmul_fp8_weight(shape, M):
     """Weight-only FP8 at Llama-3.1-8B's decoder shapes: e4m3 weights with per-row scales (worker/fp8.py),
     bf16 x; against the bf16-rounded product over the dequantised weight. Plain, gated for gate_up, and

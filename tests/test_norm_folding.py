@@ -42,7 +42,7 @@ def test_folded_norms_give_the_same_tokens_and_logprobs(tiny_models, arch, monke
     real_forward_folded = LlamaForCausalLM.forward_folded
     monkeypatch.setattr(LlamaForCausalLM, "forward_folded", forward_folded)
     monkeypatch.setattr(ops, "_skinny", lambda *args: False)  # ordinary linears stay on torch here
-    monkeypatch.setattr(ops, "skinny_rows", lambda x: x.shape[0] <= ops.SKINNY_MAX_ROWS)
+    monkeypatch.setattr(ops, "skinny_rows", lambda x, fp8=False: x.shape[0] <= ops.SKINNY_MAX_ROWS)
     folded_tokens, folded_logprobs = generate(llm, prompts)
     assert folded_steps and max(folded_steps) <= ops.SKINNY_MAX_ROWS  # the decode steps took the folded path
     assert folded_tokens == tokens

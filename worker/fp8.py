@@ -44,6 +44,7 @@ def quantize_linears_fp8(model: nn.Module) -> None:
     """Every decoder linear -> Fp8Linear (on any device: the CPU runs the references)."""
     for parent, name in decoder_linears(model):
         setattr(parent, name, Fp8Linear(getattr(parent, name)))
+    model.fp8_weights = True
 
 
 def decoder_linears(model: nn.Module):

@@ -133,6 +133,7 @@ _PACKED_RE = re.compile(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.")
 class LlamaForCausalLM(nn.Module):
     qk_norm = False
     norms_folded = False  # fold_norms() ran
+    fp8_weights = False  # worker/fp8.py made the decoder linears e4m3
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -145,7 +146,7 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden = self.model.embed_tokens(input_ids)
-        if self.norms_folded and ops.skinny_rows(hidden):
+        if self.norms_folded and ops.skinny_rows(hidden, self.fp8_weights):
             return self.forward_folded(hidden, positions)
         residual = None
         for layer in self.model.layers:
