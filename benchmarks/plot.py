@@ -13,17 +13,16 @@ import matplotlib.pyplot as plt  # noqa: E402
 VLLM_STATIC = {1: 198.8, 8: 1334, 64: 6595, 128: 8527, 256: 9864}
 HF_STATIC = {1: 15.7, 8: 142, 64: 1110, 128: 2052}
 VLLM_SERVE = {1: 195, 4: 721, 8: 1308, 16: 2216, 32: 3420, 64: 4478}
-# the runs plotted (docs/benchmarks.md): bf16 static from run M, bf16 serving from run L (not re-run in M),
-# FP8 static and serving from run M
+# the runs plotted (docs/benchmarks.md): run N, the latest, for bf16 and FP8, static and serving
 def load(results: Path, name: str) -> dict | list:
     return json.loads((results / f"h200-run-{name}.json").read_text())
 
 
 def main(results: Path, out: Path) -> None:
-    bf16_static = load(results, "m-bf16-offline")["bf16"]["static"]
-    fp8 = load(results, "m-fp8-offline")["fp8"]["fp8"]
-    bf16_serve = load(results, "l-serve")
-    fp8_serve = load(results, "m-serve-fp8")["final"]
+    bf16_static = load(results, "n-bf16-offline")["static"]
+    fp8 = load(results, "n-fp8-offline")["fp8"]
+    serve = load(results, "n-serve")
+    bf16_serve, fp8_serve = serve["bf16"], serve["fp8"]
     fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
     batches = [1, 8, 64, 128, 256]
     x = range(len(batches))
@@ -41,9 +40,9 @@ def main(results: Path, out: Path) -> None:
     a.legend()
     conc = [r["concurrency"] for r in bf16_serve]
     b.plot(conc, [VLLM_SERVE[c] for c in conc], "o-", label="vLLM 0.26 serve (bf16)")
-    b.plot(conc, [r["output_tok_s"] for r in bf16_serve], "o-", label="pagefleet serve bf16 (run L)")
+    b.plot(conc, [r["output_tok_s"] for r in bf16_serve], "o-", label="pagefleet serve bf16")
     b.plot([r["concurrency"] for r in fp8_serve], [r["output_tok_s"] for r in fp8_serve], "o-",
-           label="pagefleet serve FP8 (run M)")
+           label="pagefleet serve FP8")
     b.set_xscale("log", base=2)
     b.set_xlabel("concurrency (564 in / 128 out, streaming)")
     b.set_ylabel("output tok/s")

@@ -3,7 +3,8 @@
 At decode a linear layer's cost is reading its weight once; the arithmetic is nearly free. Each program
 owns BLOCK_N output channels and streams their weight rows in [BLOCK_N, BLOCK_K] tiles, multiplying each
 tile by the matching slice of all M rows of x, so the weight is read exactly once. Many small programs
-(not split-K) fill the GPU: in a CUDA graph a second launch per linear costs more than it saves.
+fill the GPU; where the row tiles are too few (FP8 weights, or down_proj's long rows), K is split too,
+and the last slice of a tile to finish merges the others' partials, so a linear stays one launch.
 
 One path for every M: tl.dot with M padded to 16 rows (M_PAD). The tensor cores' wasted rows cost nothing
 here, and the dot lets Triton pipeline the weight loads (cp.async, num_stages); the usual M = 1 form
@@ -190,7 +191,7 @@ def _num_sms(index):
 
 
 def default_config(M, N, K, num_sms=132, weight_bytes=2, gated=False):
-    """(block_n, block_k, num_warps, num_stages, split_k) for x [M, K] @ weight [N, K].T, M <= 16; gated: N
+    """(block_n, block_k, num_warps, num_stages, split_k) for x [M, K] @ weight [N, K].T, M <= 16 (32 for FP8); gated: N
     counts gate and up rows, and block_n is the rows of each half a program reads.
 
     bf16, swept on the H200 (benchmarks/gemv_bench.py): the largest BLOCK_N (16..64) that still gives every
@@ -202,7 +203,7 @@ def default_config(M, N, K, num_sms=132, weight_bytes=2, gated=False):
 
     FP8 (weight-only): each tile converts in registers before the dot, so a program does more work per
     byte and the small-N linears need more programs than their row tiles give. 64-row tiles with 4 warps
-    (gate_up 32.1 us against 38.1 at 32 rows a half), K split until the GPU has 2-3 programs an SM:
+    (gate_up 32.1 us against 38.1 at 32 rows a half), K slices doubled while there are at most 3 programs an SM:
     qkv 18.5 -> 12.5 us, o_proj 11.6 -> 9.2, down 30.3 -> 19.2 (M = 1, H200, run N). At 17-32 rows
     (ops.SKINNY_MAX_ROWS_FP8) the same splits with 128-wide K tiles were best.
     """
