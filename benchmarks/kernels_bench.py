@@ -1,11 +1,11 @@
 """Check every kernel against its reference on real shapes in bf16, then time them on the GPU.
 
-  python3 benchmarks/kernels_bench.py            # on the H200: checks, ceilings, sweeps, table
-  TRITON_INTERPRET=1 python3 benchmarks/kernels_bench.py --dry-run   # CPU: tiny shapes, exercises the code
+  python3 benchmarks/kernels_bench.py OUT_DIR            # on the H200: checks, ceilings, sweeps, table
+  TRITON_INTERPRET=1 python3 benchmarks/kernels_bench.py OUT_DIR --dry-run   # CPU: tiny shapes, exercises the code
 
 Decode attention is reported as bytes of K/V read / time / measured device copy bandwidth; prefill
-attention as causal TFLOP/s / measured bf16 matmul TFLOP/s. Writes $OUT/kernels.md (the table) and
-$OUT/kernels_sweep.json (every configuration timed).
+attention as causal TFLOP/s / measured bf16 matmul TFLOP/s. Writes OUT_DIR/kernels.md (the table) and
+OUT_DIR/kernels_sweep.json (every configuration timed); OUT_DIR defaults to $OUT, as in the other benchmarks.
 """
 import argparse
 import json
@@ -34,13 +34,16 @@ FP8 = import_module(K.__name__ + ".fp8")
 R = K.reference
 
 p = argparse.ArgumentParser()
+p.add_argument("out_dir", nargs="?", default=os.environ.get("OUT"), help="gets kernels.md and kernels_sweep.json")
 p.add_argument("--dry-run", action="store_true", help="CPU under TRITON_INTERPRET=1, tiny shapes")
 p.add_argument("--no-sweep", action="store_true", help="time the default heuristics only")
 args = p.parse_args()
 DRY = args.dry_run
 DEV = "cpu" if DRY else "cuda"
 DT = torch.float32 if DRY else torch.bfloat16  # the interpreter mishandles bf16 arithmetic
-OUT = os.environ.get("OUT", ".")
+if not args.out_dir:
+    p.error("give OUT_DIR (or set $OUT): the results are written there")
+OUT = args.out_dir
 H, HKV, D = (8, 2, 32) if DRY else (32, 8, 128)  # Llama-3.1-8B attention shape
 HIDDEN, INTER = (64, 96) if DRY else (4096, 14336)
 results = {"checks": [], "decode": [], "prefill": [], "small": [], "ceilings": {}}
