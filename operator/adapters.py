@@ -17,7 +17,7 @@ from typing import Any, Mapping, Sequence
 
 import httpx
 
-from pagefleet.operator import resources
+from pagefleet.operator import worker_pod
 
 
 def desired_adapters(spec: Mapping[str, Any]) -> dict[str, str]:
@@ -25,7 +25,7 @@ def desired_adapters(spec: Mapping[str, Any]) -> dict[str, str]:
     lora = spec.get("lora")
     if not lora:
         return {}
-    root = resources.lora_root(lora)
+    root = worker_pod.lora_root(lora)
     return {a["name"]: f"{root}/{a['path']}" for a in lora["adapters"]}
 
 

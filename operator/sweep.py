@@ -14,7 +14,7 @@ import logging
 import time
 from typing import Any, Iterable, Mapping
 
-from pagefleet.operator import adapters, autoscaler, kube, resources, status
+from pagefleet.operator import adapters, autoscaler, kube, resources, status, worker_pod
 
 log = logging.getLogger("pagefleet.operator")
 
@@ -33,7 +33,7 @@ def observed_status(client: kube.Kube, body: Mapping[str, Any]) -> dict[str, Any
     failures = client.mount_failures(namespace, pod_names) if pod_names else {}
     source = status.check_source(model, claim, failures, pods)
     observed = status.compute(body, deployment, pods, source, resources.desired_replicas(spec),
-                              resources.WORKER_PORT, status.now_iso())
+                              worker_pod.WORKER_PORT, status.now_iso())
     observed["selector"] = resources.selector_string(name)
     return observed
 
@@ -97,7 +97,7 @@ class Sweeper:
         """URLs of the InferenceService's ready worker pods, read now."""
         pods = await asyncio.to_thread(self.client.list, "v1", "Pod", namespace,
                                        label_selector=resources.selector_string(name))
-        return status.endpoints(pods, resources.WORKER_PORT)
+        return status.endpoints(pods, worker_pod.WORKER_PORT)
 
     async def sync_lora(self, body: Mapping[str, Any]) -> dict[str, Any]:
         """Loads and unloads adapters in each ready worker to match spec.lora; reports status.lora."""

@@ -4,7 +4,7 @@ import copy
 
 import pytest
 
-from pagefleet.operator import adapters, resources
+from pagefleet.operator import adapters, resources, worker_pod
 
 OWNER_UID = "0f9c1d2e-aaaa-bbbb-cccc-123456789abc"
 
@@ -81,7 +81,7 @@ def test_engine_fields_become_worker_flags():
     assert flag(args, "--quantization") == "fp8"
     assert "--no-enable-prefix-caching" in args and "--enable-prefix-caching" not in args
     assert "--enforce-eager" in args
-    assert flag(args, resources.DRAIN_FLAG) == "45"
+    assert flag(args, worker_pod.DRAIN_FLAG) == "45"
     assert args[-2:] == ["--max-queue", "512"]
 
 
@@ -120,7 +120,7 @@ def test_termination_grace_covers_pre_stop_and_drain():
     pod = dep["spec"]["template"]["spec"]
     pre_stop = container(dep)["lifecycle"]["preStop"]["sleep"]["seconds"]
     assert pod["terminationGracePeriodSeconds"] > pre_stop + 100
-    assert flag(container(dep)["args"], resources.DRAIN_FLAG) == "100"
+    assert flag(container(dep)["args"], worker_pod.DRAIN_FLAG) == "100"
 
 
 def test_shm_gpu_limits_cpu_memory():
