@@ -238,6 +238,16 @@ def test_triton_gemv(dtype, M, split_k):
     assert not TK["arrivals"].counters(x.device, 0).any()
 
 
+def test_triton_gemv_split_without_counters_warns_and_runs_unsplit(monkeypatch):
+    """A graph captured before arrivals.reserve has no counters: the split GEMV says so and stays correct."""
+    gen = torch.Generator().manual_seed(16)
+    x, w = torch.randn(3, 100, generator=gen), torch.randn(70, 100, generator=gen)
+    monkeypatch.setattr(TK["gemv"], "counters", lambda device, n: None)
+    with pytest.warns(RuntimeWarning, match="arrivals.reserve"):
+        got = TK["gemv"].skinny_matmul(x, w, block_n=16, block_k=32, split_k=3)
+    close(got, ref.skinny_matmul(x, w), torch.float32)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("M", [1, 5])
 @pytest.mark.parametrize("K", [100, 128])  # a K tail, and whole tiles only
