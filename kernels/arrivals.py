@@ -10,19 +10,23 @@ import torch
 
 SIZE = 1 << 16  # counters: 2,048 sequences of 32 KV heads, or a GEMV's N / 16 tiles for N up to 10**6
 _by_device: dict = {}
+_retired: list = []  # outgrown buffers: CUDA graphs captured with them still point at them
 
 
 def counters(device, n):
-    """The device's zeroed int32 counters, at least n of them; None where there are too few, or none yet
-    while a CUDA graph is being captured (the capture would record their zeroing into the graph: call
-    reserve() before capturing)."""
+    """The device's zeroed int32 counters, at least n of them; None only while a CUDA graph is being
+    captured and there are none yet, or too few (the capture would record their zeroing into the graph:
+    call reserve() before capturing). Outside a capture a buffer too small is replaced by a larger one."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:  # "cuda" and "cuda:0" must find the same buffer
         device = torch.device("cuda", torch.cuda.current_device())
     buf = _by_device.get(device)
-    if buf is None and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-        buf = _by_device[device] = torch.zeros(SIZE, dtype=torch.int32, device=device)
-    return buf if buf is not None and n <= SIZE else None
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    if not capturing and (buf is None or buf.numel() < n):
+        if buf is not None:
+            _retired.append(buf)
+        buf = _by_device[device] = torch.zeros(max(SIZE, n), dtype=torch.int32, device=device)
+    return buf if buf is not None and n <= buf.numel() else None
 
 
 def reserve(device):

@@ -78,7 +78,7 @@ def argmax(logits: torch.Tensor, num_chunks: int | None = None, block: int = 204
     num_chunks = triton.cdiv(V, chunk)
     part_val, part_idx = _partials(logits.device, R * num_chunks)
     counts = counters(logits.device, R)
-    assert counts is not None, "argmax: more rows than arrival counters, or first used inside a graph capture"
+    assert counts is not None, "argmax: not for use inside a CUDA graph capture"
     _argmax_kernel[(R, num_chunks)](logits, out, part_val, part_idx, counts, V, chunk, num_chunks,
                                     logits.stride(0), BLOCK=block, CHUNKS_PAD=max(2, triton.next_power_of_2(num_chunks)),
                                     num_warps=4)

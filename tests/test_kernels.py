@@ -141,6 +141,18 @@ def test_reference_fp8_linear_close_to_matmul():
 # ---------------------------------------------------------------- dispatch
 
 
+def test_arrival_counters_grow_and_keep_the_buffers_graphs_may_hold():
+    """More counters than the buffer holds (e.g. argmax over more rows): a larger zeroed buffer replaces it
+    outside a capture, and the smaller one stays alive for any CUDA graph captured with it."""
+    from pagefleet.kernels import arrivals
+
+    small = arrivals.counters("cpu", 1)
+    big = arrivals.counters("cpu", arrivals.SIZE + 7)
+    assert big.numel() >= arrivals.SIZE + 7 and not big.any()
+    assert arrivals.counters("cpu", 0) is big
+    assert any(b is small for b in arrivals._retired)
+
+
 def test_dispatch_uses_reference_on_cpu():
     from pagefleet import kernels
 
