@@ -16,7 +16,7 @@ import triton.language as tl
 from .arrivals import counters
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_chunks"])  # the row count sets it: one compile serves every batch
 def _argmax_kernel(logits_ptr, out_ptr, part_val_ptr, part_idx_ptr, counts_ptr, V, chunk, num_chunks, stride_row,
                    BLOCK: tl.constexpr, CHUNKS_PAD: tl.constexpr):
     """Program (row, chunk): the best (value, index) of logits[row, chunk * chunk_len ...]."""
@@ -79,7 +79,9 @@ def argmax(logits: torch.Tensor, num_chunks: int | None = None, block: int = 204
     part_val, part_idx = _partials(logits.device, R * num_chunks)
     counts = counters(logits.device, R)
     assert counts is not None, "argmax: not for use inside a CUDA graph capture"
+    # CHUNKS_PAD from the vocabulary alone (chunks are whole blocks, so at most cdiv(V, block) of them):
+    # padded to the row's own chunk count it made a new compile for each batch size, 100+ ms mid-run
     _argmax_kernel[(R, num_chunks)](logits, out, part_val, part_idx, counts, V, chunk, num_chunks,
-                                    logits.stride(0), BLOCK=block, CHUNKS_PAD=max(2, triton.next_power_of_2(num_chunks)),
-                                    num_warps=4)
+                                    logits.stride(0), BLOCK=block,
+                                    CHUNKS_PAD=max(2, triton.next_power_of_2(triton.cdiv(V, block))), num_warps=4)
     return out
