@@ -78,3 +78,50 @@ def test_fp8_logprobs_near_transformers(tiny_models, arch):
     ref, hf_bf16, ours = torch.cat(ref), torch.cat(hf_bf16), torch.cat(ours)
     error, hf_error = (ours - ref).abs().mean().item(), (hf_bf16 - ref).abs().mean().item()
     assert error <= max(16 * hf_error, 0.1), (error, hf_error)
+
+
+@pytest.mark.parametrize("quantization", [None, "fp8"])
+def test_no_kernel_compiles_after_start_up(tiny_models, monkeypatch, quantization):
+    """Triton compiles a kernel variant for each class of int divisibility and pointer alignment it meets,
+    and one compiled mid-run stalls every running request (100-155 ms each in an H200 serving probe: the
+    argmax per batch size, RoPE at odd token counts). After start-up, odd and even token counts, prompt
+    chunks mixed into decodes, many batch sizes, and greedy, sampled, penalised and forked rows must
+    compile nothing."""
+    import importlib
+
+    from triton.runtime.jit import JITFunction
+
+    if quantization and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 needs Ada or Hopper")
+    if not hasattr(JITFunction, "_do_compile"):
+        pytest.skip("this Triton compiles elsewhere")
+    # Forget the variants earlier tests compiled in this process, so that the engine's start-up alone
+    # must have made every one the workload needs.
+    for name in ("activation", "attention", "fp8", "gemv", "greedy", "kv_cache", "norm", "prefill_attention", "rope"):
+        module = importlib.import_module(f"pagefleet.kernels.{name}")
+        for obj in vars(module).values():
+            if isinstance(obj, JITFunction):
+                obj.device_caches.clear()
+    llm = LLM(str(tiny_models["llama"]), dtype="bfloat16", quantization=quantization, max_model_len=512,
+              max_num_batched_tokens=48, max_num_seqs=16, gpu_memory_fraction=0.2)
+    compiled = []
+    do_compile = JITFunction._do_compile
+
+    def recording(self, key, *args, **kwargs):
+        compiled.append((self.fn.__name__, str(key)[:200]))
+        return do_compile(self, key, *args, **kwargs)
+
+    monkeypatch.setattr(JITFunction, "_do_compile", recording)
+    lengths = (7, 20, 33, 150, 301, 2, 64, 9, 1, 47, 5, 128)
+    prompts = [list(range(1000 + i, 1000 + i + n)) for i, n in enumerate(lengths)]
+    kinds = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+             SamplingParams(temperature=0.8, top_p=0.9, seed=1, max_tokens=9, ignore_eos=True),
+             SamplingParams(temperature=0.0, repetition_penalty=1.3, max_tokens=10, ignore_eos=True, logprobs=2),
+             SamplingParams(temperature=1.0, top_k=5, n=2, max_tokens=7, ignore_eos=True)]
+    outs = llm.generate(prompts, [kinds[i % 4] for i in range(len(prompts))])
+    outs += llm.generate(prompts[:5], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+    assert [len(c.token_ids) for c in outs[3].outputs] == [7, 7] and len(outs[-1].outputs[0].token_ids) == 40
+    steps = llm.engine.recent_steps
+    assert any(s.num_prefill_tokens and s.num_decode_tokens for s in steps)
+    assert len({s.num_seqs for s in steps if not s.num_prefill_tokens}) >= 4  # several decode batch sizes
+    assert compiled == [], f"compiled after start-up: {compiled}"

@@ -53,6 +53,16 @@ def test_upload_int32_starts_every_array_16_byte_aligned(tiny_models):
         assert got.data_ptr() % 16 == 0 and got.tolist() == want.tolist()
 
 
+@pytest.mark.parametrize("num_tokens", [1, 7, 8, 333])
+def test_upload_rows_starts_every_row_16_byte_aligned(tiny_models, num_tokens):
+    """The positions row feeds RoPE; at an odd token count it started 8 bytes off, a new Triton compile."""
+    llm = LLM(str(tiny_models["llama"]), max_model_len=256, num_gpu_blocks_override=32)
+    tokens = np.arange(3 * num_tokens, dtype=np.int64).reshape(3, num_tokens)
+    rows = llm.engine.runner._upload_rows(tokens)
+    assert rows.shape == (3, num_tokens) and rows.tolist() == tokens.tolist()
+    assert all(rows[i].data_ptr() % 16 == 0 and rows[i].is_contiguous() for i in range(3))
+
+
 def test_one_token_entries_lead_the_batch_in_order():
     class S:
         def __init__(self, name):

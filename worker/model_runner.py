@@ -162,7 +162,7 @@ class ModelRunner:
             return self._sampled_rows(logits, logits_rows)
         # prefill, mixed, LoRA and over-sized steps: eager
         dev = self.device
-        tokens_d = torch.from_numpy(tokens).to(dev, non_blocking=True)
+        tokens_d = self._upload_rows(tokens)
         # The scheduler puts one-token entries first; attention runs them through the decode kernel.
         num_decodes = 0 if is_decode else next((i for i, k in enumerate(batch.num_new_tokens) if k != 1), n)
         set_attention_metadata(self._eager_metadata(tokens_d[2], tables, seq_lens, cu, num_decodes, is_decode))
@@ -202,6 +202,14 @@ class ModelRunner:
             prefill_cu_seqlens_q=prefill_cu_d,
         )
 
+    def _upload_rows(self, tokens: np.ndarray) -> torch.Tensor:
+        """[3, T] int64 on the device with each row 16-byte aligned (row stride T rounded up to even): the
+        positions row feeds RoPE, and at an odd T its pointer alignment made a new compile mid-run."""
+        width = tokens.shape[1] + tokens.shape[1] % 2
+        padded = np.zeros((tokens.shape[0], width), dtype=tokens.dtype)
+        padded[:, : tokens.shape[1]] = tokens
+        return torch.from_numpy(padded).to(self.device, non_blocking=True)[:, : tokens.shape[1]]
+
     def _upload_int32(self, *arrays: np.ndarray) -> list[torch.Tensor]:
         """Several small int32 arrays in one host-to-device copy, each starting 16-byte aligned: Triton
         compiles a kernel variant per pointer alignment, and a new variant mid-run costs seconds."""
@@ -236,17 +244,25 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _warmup(self) -> None:
-        """Compile the eager path's kernel variants now (prefill, mixed decode + prefill, odd and even
-        token counts, every decode-split setting), not in the first requests' time."""
+        """Compile the eager path's kernel variants now, not in the first requests' time (a variant compiled
+        mid-run stalled every running request for 100+ ms on the H200): prompt chunks, odd and even token
+        counts, and pure decode and mixed steps at one batch size per decode-attention launch setting."""
         dev = self.device
-        for num_decodes, chunks in ((0, [8]), (0, [5, 4]), (1, [7]), (3, [8]), (6, [3]), (12, [4, 5]), (40, [7]), (70, [3])):
+        cases = [(0, [8]), (0, [5, 4]), (1, [7]), (3, [8])]  # (decodes, prompt chunk lengths)
+        for b in ops.decode_warmup_batches(self.config.max_num_seqs, self.model_config.num_key_value_heads):
+            cases += [(b, [3]), (b, [])]
+        for num_decodes, chunks in cases:
             q_lens = [1] * num_decodes + chunks
             n, total = len(q_lens), sum(q_lens)
             seq_lens = np.array([16] * num_decodes + chunks, dtype=np.int32)
             cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
             slots = torch.full((total,), -1, dtype=torch.long, device=dev)  # writes nothing
-            set_attention_metadata(self._eager_metadata(slots, np.zeros((n, 4), dtype=np.int32), seq_lens, cu, num_decodes, False))
+            decode_only = not chunks
+            set_attention_metadata(self._eager_metadata(slots, np.zeros((n, 4), dtype=np.int32), seq_lens, cu,
+                                                        0 if decode_only else num_decodes, decode_only))
             hidden = self.model(torch.zeros(total, dtype=torch.long, device=dev), torch.zeros(total, dtype=torch.long, device=dev))
-            self.model.compute_logits(hidden[:1])
+            logits = self.model.compute_logits(hidden[:1])
             set_attention_metadata(None)
+        ops.argmax(logits)  # greedy rows, in the model's dtype
+        ops.argmax(logits.float())  # sampled and penalised rows
         torch.cuda.synchronize()

@@ -125,6 +125,19 @@ def rope_and_write_kv(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_
     return impl.rope_and_write_kv(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping)
 
 
+def decode_warmup_batches(max_num_seqs: int, num_kv_heads: int) -> list[int]:
+    """One batch size for each decode-attention launch setting a step of up to max_num_seqs sequences can
+    take (splits and key tile from decode_config, RoPE fused below ROPE_MAX_BATCH): what a warm-up runs so
+    that no kernel variant compiles mid-run."""
+    if not _triton:
+        return []
+    attention = _triton["attention"]
+    first = {}
+    for b in range(1, max_num_seqs + 1):
+        first.setdefault((attention.decode_config(b, num_kv_heads), b < attention.ROPE_MAX_BATCH), b)
+    return sorted(first.values())
+
+
 def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len, out=None, eager_step=False,
                            new_kv=None):
     """new_kv=(k, v, positions, cos_sin_cache, slot_mapping): q, k before RoPE; the same launch rotates them and
