@@ -54,7 +54,7 @@ class LLMEngine(OverlappedSteps):
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.steps_total = 0
-        self.recent_steps: deque[StepRecord] = deque(maxlen=512)
+        self.recent_steps: deque[StepRecord] = deque(maxlen=2048)
         self.pending: PendingStep | None = None  # an overlapped decode step not yet read back
 
     # ---- requests
@@ -167,7 +167,7 @@ class LLMEngine(OverlappedSteps):
                 touched[seq.request_id] = self.requests[seq.request_id]
                 self._append_token(seq, token, lp)
         self.steps_total += 1
-        self.recent_steps.append(StepRecord(len(batch.seqs), num_prefill, num_decode, time.perf_counter() - start))
+        self.recent_steps.append(StepRecord(len(batch.seqs), num_prefill, num_decode, time.perf_counter() - start, start))
         return outputs + self._outputs(touched)
 
     def _fork_samples(self, parent: Sequence, sampling: list[Sequence], rows: list[int], row: int) -> None:

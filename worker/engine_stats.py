@@ -11,6 +11,7 @@ class StepRecord:
     num_prefill_tokens: int
     num_decode_tokens: int
     duration_s: float
+    start_s: float = 0.0  # time.perf_counter() when the step began (monotonic: comparable across processes)
 
 
 @dataclass

@@ -90,7 +90,7 @@ class OverlappedSteps:
                 self.scheduler.retire(seq)
         self.pending = PendingStep(sampling, tokens, {s.seq_id for s in sampling}) if sampling else None
         self.steps_total += 1
-        self.recent_steps.append(StepRecord(len(batch.seqs), num_prefill, num_decode, time.perf_counter() - start))
+        self.recent_steps.append(StepRecord(len(batch.seqs), num_prefill, num_decode, time.perf_counter() - start, start))
         return self._resolve(prev) if prev is not None else []
 
     def _resolve_pending(self) -> list[RequestOutput]:

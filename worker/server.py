@@ -255,6 +255,7 @@ def build_app(engine, served_model_name: str | list[str] | None = None, api_key:
         s = engine.stats()
         return {"steps_total": s.steps_total, "recent_steps": [
             {"num_seqs": r.num_seqs, "num_prefill_tokens": r.num_prefill_tokens,
-             "num_decode_tokens": r.num_decode_tokens, "duration_s": r.duration_s} for r in s.recent_steps]}
+             "num_decode_tokens": r.num_decode_tokens, "duration_s": r.duration_s, "start_s": r.start_s}
+            for r in s.recent_steps]}
 
     return app
