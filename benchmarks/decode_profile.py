@@ -5,6 +5,9 @@ Sections:
               profiler (CUDA graphs on, then eager), device time per step summed by kernel kind, against
               the step's wall time (the difference is launch gaps and host time the GPU waited for)
   mixed       the anchors' mixed workloads (256 requests seed 0, 2048 seed 1) on the same engine
+  prefill     prompt steps of about 8k and 16k tokens (564-token prompts): kernel time by kind, µs per token
+  trace       mixed 256 (seed 0) with every step recorded: time in prompt steps and in decode steps by batch
+  fp8         (a flag, not a section) build the engine with --quantization fp8
   attention   paged decode attention alone at batch 1 / 4 / 8 / 16 / 32, context 640 / 1k / 4k, replayed in a
               CUDA graph 32 times on 32 block tables (as 32 layers would), over split counts, tiles, warps
               and pipeline stages
@@ -13,8 +16,10 @@ Usage: python benchmarks/decode_profile.py OUT_DIR [sections...]
 
 from __future__ import annotations
 
+import collections
 import json
 import os
+import random
 import re
 import sys
 import time
@@ -24,6 +29,8 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from gpu_bench import ROOT, copy_bandwidth, engine, fake_prefilled  # noqa: E402
 from make_checkpoint import make_checkpoint  # noqa: E402
+
+from pagefleet.worker.sampling import SamplingParams  # noqa: E402
 
 OUT = sys.argv[1] if len(sys.argv) > 1 else "."
 SECTIONS = sys.argv[2:] or ["breakdown", "attention"]
@@ -35,6 +42,7 @@ KINDS = [  # first match wins
     ("norm", r"rms"),
     ("rope", r"rope"),
     ("silu_mul", r"silu"),
+    ("fp8 quantise", r"quant"),
     ("gemm", r"gemm|gemv|xmma|cutlass|nvjet|splitk|sm90|matmul|_skinny"),
     ("copies", r"memcpy|memset|copy|Memcpy|Memset"),
 ]
@@ -53,17 +61,22 @@ def save():
 
 
 def profile_steps(eng, steps: int) -> dict:
+    return profile_runs(eng.step, steps)
+
+
+def profile_runs(fn, runs: int) -> dict:
+    """fn's wall time per run, then its kernels under the profiler: device µs per run by kind and the top ones."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
     t = time.perf_counter()
-    for _ in range(steps):
-        eng.step()
+    for _ in range(runs):
+        fn()
     torch.cuda.synchronize()
-    wall_us = (time.perf_counter() - t) / steps * 1e6
+    wall_us = (time.perf_counter() - t) / runs * 1e6
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            eng.step()
+        for _ in range(runs):
+            fn()
         torch.cuda.synchronize()
     by_kind: dict[str, float] = {}
     top = []
@@ -71,8 +84,8 @@ def profile_steps(eng, steps: int) -> dict:
         us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0.0)
         if not us or e.key.startswith("ProfilerStep"):
             continue
-        by_kind[kind_of(e.key)] = by_kind.get(kind_of(e.key), 0.0) + us / steps
-        top.append((us / steps, e.count // steps, e.key[:90]))
+        by_kind[kind_of(e.key)] = by_kind.get(kind_of(e.key), 0.0) + us / runs
+        top.append((us / runs, e.count // runs, e.key[:90]))
     top.sort(reverse=True)
     return {"wall_us": wall_us, "kernel_us": sum(by_kind.values()), "by_kind": by_kind, "top": top[:14]}
 
@@ -112,6 +125,70 @@ def mixed(eng):
         rows[f"{n}_seed{seed}"] = r
         print(f"mixed {n} (seed {seed}): {r['output_tok_per_s']:.1f} output tok/s, {r['seconds']:.1f}s, KV waste {100 * r['kv_waste']:.2f} %", flush=True)
     RESULTS["mixed"] = rows
+    save()
+
+
+def drain(eng):
+    while eng.has_unfinished_requests() or eng.pending is not None:
+        eng.step()
+
+
+def prefill(eng):
+    rng = random.Random(0)
+    rows = {}
+    for budget in (8192, 16384):
+        n = min(budget, eng.config.max_num_batched_tokens) // 564
+
+        def one_prompt_step():  # fresh random prompts each time: no prefix-cache hits
+            for _ in range(n):
+                eng.add_request(f"pf-{rng.random()}", [rng.randint(100, 119999) for _ in range(564)],
+                                SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False))
+            drain(eng)
+
+        one_prompt_step()  # compile this shape's kernels
+        r = profile_runs(one_prompt_step, 3)
+        r["tokens"] = n * 564
+        r["us_per_token"] = r["wall_us"] / r["tokens"]
+        rows[str(budget)] = r
+        kinds = ", ".join(f"{k} {v / 1e3:.1f}" for k, v in sorted(r["by_kind"].items(), key=lambda kv: -kv[1]))
+        print(f"prompt step of {r['tokens']} tokens: wall {r['wall_us'] / 1e3:.1f} ms ({r['us_per_token']:.2f} us/token), "
+              f"kernels {r['kernel_us'] / 1e3:.1f} ms ({kinds})", flush=True)
+        for us, count, name in r["top"][:12]:
+            print(f"    {us / 1e3:8.2f} ms  x{count:<4d} {name}", flush=True)
+    RESULTS["prefill"] = rows
+    save()
+
+
+def trace(eng):
+    """Mixed 256 with each step's record kept: where the wall time goes (prompt steps; decode steps by batch)."""
+    from pagefleet.worker.bench_throughput import draw_requests, run_engine
+
+    eng.recent_steps = collections.deque(maxlen=1 << 20)
+    r = run_engine(eng, draw_requests(256, 0, (64, 1024), (32, 512), 128256), warmup=False)
+    steps = list(eng.recent_steps)
+    buckets = collections.OrderedDict((k, [0, 0.0, 0, 0]) for k in
+                                      ("prompt", "decode 1-16", "decode 17-32", "decode 33-64", "decode 65-128",
+                                       "decode 129-256", "decode 257-512"))
+    for s in steps:
+        if s.num_prefill_tokens:
+            key = "prompt"
+        else:
+            key = next(k for k, hi in (("decode 1-16", 16), ("decode 17-32", 32), ("decode 33-64", 64),
+                                        ("decode 65-128", 128), ("decode 129-256", 256), ("decode 257-512", 512))
+                       if s.num_seqs <= hi)
+        b = buckets[key]
+        b[0] += 1
+        b[1] += s.duration_s
+        b[2] += s.num_prefill_tokens
+        b[3] += s.num_decode_tokens
+    rows = {k: {"steps": c, "seconds": t, "prompt_tokens": p, "decode_tokens": d} for k, (c, t, p, d) in buckets.items()}
+    print(f"mixed 256: {r['output_tok_per_s']:.1f} output tok/s in {r['seconds']:.2f}s, {len(steps)} steps recorded "
+          f"(sum of step records {sum(s.duration_s for s in steps):.2f}s)", flush=True)
+    for k, v in rows.items():
+        if v["steps"]:
+            print(f"  {k:15s} {v['steps']:5d} steps {v['seconds']:6.2f}s ({1e3 * v['seconds'] / v['steps']:.2f} ms each), "
+                  f"prompt tokens {v['prompt_tokens']}, decode tokens {v['decode_tokens']}", flush=True)
+    RESULTS["trace"] = {"run": r, "buckets": rows}
     save()
 
 
@@ -191,13 +268,15 @@ def attention():
 def main():
     os.makedirs(OUT, exist_ok=True)
     eng = None
-    for name, fn in (("attention", attention), ("breakdown", breakdown), ("mixed", mixed)):
+    for name, fn in (("attention", attention), ("breakdown", breakdown), ("prefill", prefill), ("trace", trace),
+                     ("mixed", mixed)):
         if name not in SECTIONS:
             continue
         print(f"\n=== {name}", flush=True)
         start = time.time()
         if name != "attention" and eng is None:
-            eng = engine(make_checkpoint("llama-3.1-8b", f"{ROOT}/llama-3.1-8b"))
+            eng = engine(make_checkpoint("llama-3.1-8b", f"{ROOT}/llama-3.1-8b"),
+                         quantization="fp8" if "fp8" in SECTIONS else None)
             print(f"engine up in {time.time() - start:.1f}s", flush=True)
         fn(eng) if name != "attention" else fn()
         print(f"=== {name} took {time.time() - start:.1f}s", flush=True)
