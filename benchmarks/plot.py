@@ -13,7 +13,9 @@ import matplotlib.pyplot as plt  # noqa: E402
 VLLM_STATIC = {1: 198.8, 8: 1334, 64: 6595, 128: 8527, 256: 9864}
 HF_STATIC = {1: 15.7, 8: 142, 64: 1110, 128: 2052}
 VLLM_SERVE = {1: 195, 4: 721, 8: 1308, 16: 2216, 32: 3420, 64: 4478}
-# the runs plotted (docs/benchmarks.md): run N, the latest, for bf16 and FP8, static and serving
+# the runs plotted (docs/benchmarks.md): static batches from run N, serving from run O (the latest), bf16 and FP8
+
+
 def load(results: Path, name: str) -> dict | list:
     return json.loads((results / f"h200-run-{name}.json").read_text())
 
@@ -21,8 +23,8 @@ def load(results: Path, name: str) -> dict | list:
 def main(results: Path, out: Path) -> None:
     bf16_static = load(results, "n-bf16-offline")["static"]
     fp8 = load(results, "n-fp8-offline")["fp8"]
-    serve = load(results, "n-serve")
-    bf16_serve, fp8_serve = serve["bf16"], serve["fp8"]
+    serve = load(results, "o-serve")
+    bf16_serve, fp8_serve = serve["bf16"]["levels"], serve["fp8"]["levels"]
     fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
     batches = [1, 8, 64, 128, 256]
     x = range(len(batches))
