@@ -1,7 +1,8 @@
-"""The worker pod: its `pagefleet serve` container (flags, probes, resources) and its read-only volumes.
+"""The worker pod: its `pagefleet serve` container (flags, probes, resources) and its volumes.
 
 The checkpoint and the LoRA adapters come from a node directory (hostPath) or a read-only claim; the
-worker never downloads at start. Pure functions of the InferenceService spec, as resources.py.
+worker never downloads at start. The one writable volume is the kernel cache. Pure functions of the
+InferenceService spec, as resources.py.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ MODEL_VOLUME = "model"
 PVC_MOUNT_ROOT = "/models"
 LORA_VOLUME = "lora"
 LORA_MOUNT = "/adapters"
+KERNEL_CACHE_VOLUME = "kernel-cache"
+KERNEL_CACHE_MOUNT = "/var/cache/pagefleet"
 DEFAULT_MAX_LORAS = 4
 
 # Engine field -> worker flag, in the order they are rendered. Booleans are handled apart.
@@ -73,6 +76,15 @@ def model_volume(model: Mapping[str, Any]) -> dict[str, Any]:
 
 def model_mount(model: Mapping[str, Any]) -> dict[str, Any]:
     return source_mount(MODEL_VOLUME, model, model_path(model))
+
+
+def kernel_cache_volume(spec: Mapping[str, Any]) -> dict[str, Any]:
+    """Start-up compiles every kernel variant a run can need, which an empty cache pays for in seconds.
+    An emptyDir outlives container restarts; a node directory (spec.kernelCache) outlives the pod."""
+    host = (spec.get("kernelCache") or {}).get("hostPath")
+    if host:
+        return {"name": KERNEL_CACHE_VOLUME, "hostPath": {"path": host["path"], "type": "DirectoryOrCreate"}}
+    return {"name": KERNEL_CACHE_VOLUME, "emptyDir": {}}
 
 
 def lora_args(spec: Mapping[str, Any]) -> list[str]:
@@ -165,9 +177,11 @@ def worker_container(spec: Mapping[str, Any]) -> dict[str, Any]:
             # Weights come from the mounted checkpoint only, never from a hub at start.
             {"name": "HF_HUB_OFFLINE", "value": "1"},
             {"name": "TRANSFORMERS_OFFLINE", "value": "1"},
+            {"name": "TRITON_CACHE_DIR", "value": f"{KERNEL_CACHE_MOUNT}/triton"},
         ],
         "ports": [{"name": "http", "containerPort": WORKER_PORT, "protocol": "TCP"}],
-        "volumeMounts": [model_mount(model), {"name": "dshm", "mountPath": "/dev/shm"}]
+        "volumeMounts": [model_mount(model), {"name": "dshm", "mountPath": "/dev/shm"},
+                         {"name": KERNEL_CACHE_VOLUME, "mountPath": KERNEL_CACHE_MOUNT}]
         + ([source_mount(LORA_VOLUME, spec["lora"], lora_root(spec["lora"]))] if spec.get("lora") else []),
         "startupProbe": _probe("/ready", STARTUP_PROBE),
         "readinessProbe": _probe("/ready", READINESS_PROBE),
@@ -181,11 +195,12 @@ def worker_container(spec: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def volumes(spec: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """The pod's volumes: the checkpoint, shared memory, and the adapters' source if any."""
+    """The pod's volumes: the checkpoint, shared memory, the kernel cache, and the adapters' source if any."""
     return [
         model_volume(spec["model"]),
         # NCCL and tokenizer workers use shared memory; the container default of 64 MiB is too small.
         {"name": "dshm", "emptyDir": {"medium": "Memory"}},
+        kernel_cache_volume(spec),
     ] + ([source_volume(LORA_VOLUME, spec["lora"])] if spec.get("lora") else [])
 
 

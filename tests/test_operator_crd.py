@@ -60,6 +60,8 @@ def test_spec_fields_and_rules():
     assert lora["properties"]["adapters"]["maxItems"] == 32  # bounds the CEL cost of the uniqueness rule
     model = spec["properties"]["model"]
     assert model["x-kubernetes-validations"][0]["rule"] == "has(self.hostPath) != has(self.pvc)"
+    cache_path = spec["properties"]["kernelCache"]["properties"]["hostPath"]["properties"]["path"]
+    assert cache_path["x-kubernetes-validations"][0]["rule"] == "self.startsWith('/')"
     engine = spec["properties"]["engine"]["properties"]
     assert set(engine) == {"gpuMemoryFraction", "maxModelLen", "maxNumSeqs", "maxNumBatchedTokens", "blockSize",
                            "enablePrefixCaching", "enforceEager", "dtype", "quantization", "extraArgs"}

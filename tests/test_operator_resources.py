@@ -57,6 +57,19 @@ def test_pvc_deployment_mounts_claim_read_only_with_sub_path():
     assert not any("hostPath" in v for v in pod["volumes"])
 
 
+def test_kernel_cache_is_an_emptydir_unless_spec_names_a_node_directory():
+    dep = resources.deployment(inference_service())
+    pod, worker = dep["spec"]["template"]["spec"], container(dep)
+    assert {"name": "kernel-cache", "emptyDir": {}} in pod["volumes"]  # kept across container restarts
+    assert {"name": "kernel-cache", "mountPath": "/var/cache/pagefleet"} in worker["volumeMounts"]
+    assert {"name": "TRITON_CACHE_DIR", "value": "/var/cache/pagefleet/triton"} in worker["env"]
+    dep = resources.deployment(inference_service(kernelCache={"hostPath": {"path": "/mnt/nvme/pagefleet-kernels"}}))
+    volume = next(v for v in dep["spec"]["template"]["spec"]["volumes"] if v["name"] == "kernel-cache")
+    assert volume == {"name": "kernel-cache", "hostPath": {"path": "/mnt/nvme/pagefleet-kernels", "type": "DirectoryOrCreate"}}
+    mount = next(m for m in container(dep)["volumeMounts"] if m["name"] == "kernel-cache")
+    assert not mount.get("readOnly")  # the one volume the worker writes
+
+
 def test_pvc_without_sub_path_mounts_the_claim_root():
     dep = resources.deployment(inference_service(model={"name": "m", "pvc": {"claimName": "weights"}}))
     mount = next(m for m in container(dep)["volumeMounts"] if m["name"] == "model")
