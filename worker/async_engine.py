@@ -26,6 +26,11 @@ IDLE_WAIT_S = 0.05
 _ABORTED = object()  # the end of a stream whose request was aborted from outside
 
 
+def _put_all(puts: list) -> None:
+    for q, item in puts:
+        q.put_nowait(item)
+
+
 class EngineDeadError(RuntimeError):
     """The step loop stopped on an error; the server reports unhealthy."""
 
@@ -62,8 +67,7 @@ class AsyncLLMEngine:
                     self._wake.wait(IDLE_WAIT_S)
                     self._wake.clear()
                     continue
-                for out in engine.step():
-                    self._deliver(out.request_id, out, out.finished)
+                self._deliver_step(engine.step())
                 self._stats = engine.stats()
         except BaseException as e:  # a dead loop must not leave clients hanging
             self._error = e
@@ -94,6 +98,18 @@ class AsyncLLMEngine:
                     done.set_exception(e)
             else:
                 self.engine.abort_request(request_id)
+
+    def _deliver_step(self, outputs: list[RequestOutput]) -> None:
+        """A step's outputs with one wake-up per event loop: call_soon_threadsafe writes to the loop's
+        self-pipe on every call, and at 64 streams a step made 64 such writes (and as many GIL hand-offs)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for out in outputs:
+            stream = self._streams.pop(out.request_id, None) if out.finished else self._streams.get(out.request_id)
+            if stream is not None:
+                loop, q = stream
+                by_loop.setdefault(loop, []).append((q, out))
+        for loop, puts in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, puts)
 
     def _deliver(self, request_id: str, item, final: bool) -> None:
         stream = self._streams.pop(request_id, None) if final else self._streams.get(request_id)
