@@ -248,6 +248,7 @@ class ModelRunner:
         mid-run stalled every running request for 100+ ms on the H200): prompt chunks, odd and even token
         counts, and pure decode and mixed steps at one batch size per decode-attention launch setting."""
         dev = self.device
+        start = time.perf_counter()
         cases = [(0, [8]), (0, [5, 4]), (1, [7]), (3, [8])]  # (decodes, prompt chunk lengths)
         for b in ops.decode_warmup_batches(self.config.max_num_seqs, self.model_config.num_key_value_heads):
             cases += [(b, [3]), (b, [])]
@@ -266,3 +267,5 @@ class ModelRunner:
         ops.argmax(logits)  # greedy rows, in the model's dtype
         ops.argmax(logits.float())  # sampled and penalised rows
         torch.cuda.synchronize()
+        # seconds here are mostly compiles: a filled kernel cache (TRITON_CACHE_DIR) makes them short
+        print(f"pagefleet: warmed up {len(cases)} eager step shapes in {time.perf_counter() - start:.1f}s", flush=True)
