@@ -217,10 +217,18 @@ async def test_queue_depth_routing_beats_simple_shuffle(fleet):
         print(f"\n{name:8s}: {ROUNDS} bursts of {BURST}, {to_idle} of {total} to the idle worker; latency p50 "
               f"{pct(latencies, 50):.2f} s, p99 {pct(latencies, 99):.2f} s, mean {statistics.mean(latencies):.2f} s")
         if name == "ours":
-            assert to_idle >= total - ROUNDS, f"queue-depth routing sent {total - to_idle} of {total} to the busy worker"
+            why = await _decisions(gateways["ours"])  # on failure: the router's reasons, by worker
+            assert to_idle >= total - ROUNDS, f"queue-depth routing sent {total - to_idle} of {total} to the busy worker: {why}"
     ours, shuffle = measured["ours"], measured["shuffle"]
-    assert pct(ours, 99) < pct(shuffle, 99)
+    assert pct(ours, 99) < pct(shuffle, 99), f"busy {busy.url}, idle {idle.url}; decisions {why}"
     assert statistics.mean(ours) < statistics.mean(shuffle)
+
+
+async def _decisions(gw: Proc) -> list[str]:
+    """The gateway's routing decisions so far (worker, reason, count), from its metrics."""
+    async with httpx.AsyncClient(base_url=gw.url) as h:
+        text = (await h.get("/pagefleet/metrics")).text
+    return [line for line in text.splitlines() if line.startswith("pagefleet_gateway_routing_decisions_total{")]
 
 
 # ---- 3. a worker killed mid-run: no request lost; restarted, it rejoins ----
