@@ -19,4 +19,5 @@ done
 ready=$(python3 -c "print(f'{$(date +%s.%N) - $start:.1f}')")
 echo "process start to /ready: ${ready}s" | tee "$out/serve_ready.txt"
 python3 -m pagefleet bench serve --base-url http://127.0.0.1:$port --input-len 564 --output-len 128 \
-  --concurrency ${CONCURRENCY:-1 4 8 16 32 64} --json-out "$out/serve_bench.json" 2>&1 | tee "$out/serve_bench.txt"
+  --concurrency ${CONCURRENCY:-1 4 8 16 32 64} --json-out "$out/serve_bench.json" --trace-out "$out/serve_trace.json" \
+  2>&1 | tee "$out/serve_bench.txt"

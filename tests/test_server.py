@@ -511,3 +511,31 @@ def test_sigterm_drains_in_flight_requests(small_server):
     for usage, finish in results:
         assert usage["completion_tokens"] == 24 and finish == "length"
     assert s.proc.wait(timeout=30) == 0
+
+
+def test_bench_serve_reports_every_level_and_traces_it(server, tmp_path):
+    """`pagefleet bench serve` against the real server: every request completes with its token count, and
+    --trace-out lines each request's times up with the server's own steps."""
+    out, trace_out = tmp_path / "bench.json", tmp_path / "trace.json"
+    cmd = [sys.executable, "-m", "pagefleet", "bench", "serve", "--base-url", server.url, "--api-key", KEY,
+           "--input-len", "24", "--output-len", "6", "--concurrency", "1", "4", "--num-requests", "8",
+           "--prompt-format", "ids", "--json-out", str(out), "--trace-out", str(trace_out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "| concurrency | TTFT p50 / p99 (ms)" in done.stdout
+    rows = json.loads(out.read_text())
+    assert [r["concurrency"] for r in rows] == [1, 4]
+    for r in rows:
+        assert (r["requests"], r["errors"], r["short_outputs"]) == (8, 0, 0)
+        assert 0 < r["ttft_p50_ms"] <= r["ttft_p99_ms"] and r["output_tok_s"] > 0
+    levels = json.loads(trace_out.read_text())
+    assert [lv["concurrency"] for lv in levels] == [1, 4]
+    for lv, r in zip(levels, rows):
+        reqs = lv["requests"]
+        assert len(reqs) == 8 and all(q["error"] is None and q["output_tokens"] == 6 for q in reqs)
+        assert all(0 <= q["start_s"] < q["start_s"] + q["ttft_s"] <= q["end_s"] <= r["wall_s"] + 0.5 for q in reqs)
+        steps = lv["server_steps"]
+        # every request's prompt (24 tokens) and its 5 decodes after the first token ran in this level's steps
+        assert sum(st["num_prefill_tokens"] for st in steps) == 8 * 24
+        assert all(0 <= st["start_s"] <= r["wall_s"] for st in steps)
+    assert max(st["num_seqs"] for st in levels[1]["server_steps"]) > 1  # concurrency 4 was batched

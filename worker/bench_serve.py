@@ -34,6 +34,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--vocab-high", type=int, default=None, help="default: the server's vocabulary size")
     a("--seed", type=int, default=0)
     a("--json-out", default=None, help="also write the results as JSON here")
+    a("--trace-out", default=None,
+      help="write each request's start, first-token and end times and the server's steps (/debug/steps) per "
+           "concurrency as JSON here; the two line up when client and server share a machine (time.perf_counter)")
     a("--write-word-tokenizer", metavar="MODEL_DIR", default=None,
       help="write a word-level tokenizer over MODEL_DIR's vocabulary (from its config.json) and exit")
 
@@ -66,11 +69,13 @@ class Result:
     itls: list[float] = field(default_factory=list)
     output_tokens: int = 0
     error: str | None = None
+    start: float = 0.0  # time.perf_counter() at send and at the end of the stream
+    end: float = 0.0
 
 
 async def _one(session, url: str, headers: dict, body: dict) -> Result:
     r = Result()
-    start = time.perf_counter()
+    start = r.start = time.perf_counter()
     last = None
     try:
         async with session.post(url, json=body, headers=headers) as resp:
@@ -96,6 +101,7 @@ async def _one(session, url: str, headers: dict, body: dict) -> Result:
                     last = now
     except Exception as e:  # a failed request is reported, not fatal to the run
         r.error = f"{type(e).__name__}: {e}"
+    r.end = time.perf_counter()
     return r
 
 
@@ -108,7 +114,7 @@ def _pct(values: list[float], q: float) -> float:
     return values[lo] + (values[hi] - values[lo]) * (k - lo)
 
 
-async def _level(session, args, model: str, prompts: list, concurrency: int) -> dict:
+async def _level(session, args, model: str, prompts: list, concurrency: int) -> tuple[dict, list[Result], float]:
     url = args.base_url.rstrip("/") + "/v1/completions"
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     todo = list(prompts)
@@ -134,7 +140,7 @@ async def _level(session, args, model: str, prompts: list, concurrency: int) -> 
         "itl_p50_ms": 1e3 * _pct([x for r in ok for x in r.itls], 50),
         "itl_p99_ms": 1e3 * _pct([x for r in ok for x in r.itls], 99),
         "output_tok_s": tokens / wall, "wall_s": wall,
-    }
+    }, results, start
 
 
 async def _main(args) -> list[dict]:
@@ -156,14 +162,32 @@ async def _main(args) -> list[dict]:
             return " ".join(f"t{i}" for i in ids) if args.prompt_format == "words" else ids
 
         await _level(session, args, model, [prompt()], 1)  # warm-up, not reported
-        rows = []
+        rows, trace = [], []
         for c in args.concurrency:
             n = args.num_requests or max(16, 4 * c)
-            row = await _level(session, args, model, [prompt() for _ in range(n)], c)
+            row, results, start = await _level(session, args, model, [prompt() for _ in range(n)], c)
             rows.append(row)
             print(f"  c={c}: {row['requests']} requests, {row['errors']} errors, {row['output_tok_s']:.1f} tok/s",
                   file=sys.stderr, flush=True)
+            if args.trace_out:
+                async with session.get(base + "/debug/steps", headers=headers) as resp:
+                    steps = (await resp.json())["recent_steps"] if resp.status == 200 else []  # not a pagefleet server
+                trace.append(_trace(c, results, steps, start))
+    if args.trace_out:
+        with open(args.trace_out, "w") as f:
+            json.dump(trace, f, indent=1)
     return rows
+
+
+def _trace(concurrency: int, results: list[Result], steps: list[dict], start: float) -> dict:
+    """One level's timeline, in seconds from its start: where a slow first token waited (steps the server
+    ran before the level began, and any it no longer holds, are left out)."""
+    return {
+        "concurrency": concurrency,
+        "requests": [{"start_s": r.start - start, "ttft_s": r.ttft, "end_s": r.end - start,
+                      "output_tokens": r.output_tokens, "error": r.error} for r in results],
+        "server_steps": [{**st, "start_s": st["start_s"] - start} for st in steps if st.get("start_s", 0.0) >= start],
+    }
 
 
 def format_table(rows: list[dict]) -> str:
