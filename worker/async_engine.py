@@ -100,22 +100,23 @@ class AsyncLLMEngine:
                 self.engine.abort_request(request_id)
 
     def _deliver_step(self, outputs: list[RequestOutput]) -> None:
-        """A step's outputs with one wake-up per event loop: call_soon_threadsafe writes to the loop's
-        self-pipe on every call, and at 64 streams a step made 64 such writes (and as many GIL hand-offs)."""
-        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
-        for out in outputs:
-            stream = self._streams.pop(out.request_id, None) if out.finished else self._streams.get(out.request_id)
-            if stream is not None:
-                loop, q = stream
-                by_loop.setdefault(loop, []).append((q, out))
-        for loop, puts in by_loop.items():
-            loop.call_soon_threadsafe(_put_all, puts)
+        self._deliver_all([(out.request_id, out, out.finished) for out in outputs])
 
     def _deliver(self, request_id: str, item, final: bool) -> None:
-        stream = self._streams.pop(request_id, None) if final else self._streams.get(request_id)
-        if stream is not None:
-            loop, q = stream
-            loop.call_soon_threadsafe(q.put_nowait, item)
+        self._deliver_all([(request_id, item, final)])
+
+    def _deliver_all(self, items: list[tuple[str, object, bool]]) -> None:
+        """(request id, item, final) to each stream, with one wake-up per event loop: call_soon_threadsafe
+        writes to the loop's self-pipe on every call, and at 64 streams a step made 64 such writes (and as
+        many GIL hand-offs). A final item closes its stream."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for request_id, item, final in items:
+            stream = self._streams.pop(request_id, None) if final else self._streams.get(request_id)
+            if stream is not None:
+                loop, q = stream
+                by_loop.setdefault(loop, []).append((q, item))
+        for loop, puts in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, puts)
 
     # ---- the asyncio side
 
