@@ -7,6 +7,7 @@ around the app (flags, uvicorn, SIGTERM drain) is serve.py.
 
 from __future__ import annotations
 
+import dataclasses
 import hmac
 import logging
 import re
@@ -253,9 +254,6 @@ def build_app(engine, served_model_name: str | list[str] | None = None, api_key:
     async def debug_steps():
         """The engine's recent steps: how many sequences each one batched (the step trace)."""
         s = engine.stats()
-        return {"steps_total": s.steps_total, "recent_steps": [
-            {"num_seqs": r.num_seqs, "num_prefill_tokens": r.num_prefill_tokens,
-             "num_decode_tokens": r.num_decode_tokens, "duration_s": r.duration_s, "start_s": r.start_s}
-            for r in s.recent_steps]}
+        return {"steps_total": s.steps_total, "recent_steps": [dataclasses.asdict(r) for r in s.recent_steps]}
 
     return app
