@@ -205,10 +205,10 @@ class ModelRunner:
     def _upload_rows(self, tokens: np.ndarray) -> torch.Tensor:
         """[3, T] int64 on the device with each row 16-byte aligned (row stride T rounded up to even): the
         positions row feeds RoPE, and at an odd T its pointer alignment made a new compile mid-run."""
-        width = tokens.shape[1] + tokens.shape[1] % 2
-        padded = np.zeros((tokens.shape[0], width), dtype=tokens.dtype)
-        padded[:, : tokens.shape[1]] = tokens
-        return torch.from_numpy(padded).to(self.device, non_blocking=True)[:, : tokens.shape[1]]
+        num_tokens = tokens.shape[1]
+        if num_tokens % 2:  # only an odd T needs the padded copy
+            tokens = np.concatenate([tokens, np.zeros((tokens.shape[0], 1), dtype=tokens.dtype)], axis=1)
+        return torch.from_numpy(tokens).to(self.device, non_blocking=True)[:, :num_tokens]
 
     def _upload_int32(self, *arrays: np.ndarray) -> list[torch.Tensor]:
         """Several small int32 arrays in one host-to-device copy, each starting 16-byte aligned: Triton
