@@ -539,3 +539,12 @@ def test_bench_serve_reports_every_level_and_traces_it(server, tmp_path):
         assert sum(st["num_prefill_tokens"] for st in steps) == 8 * 24
         assert all(0 <= st["start_s"] <= r["wall_s"] for st in steps)
     assert max(st["num_seqs"] for st in levels[1]["server_steps"]) > 1  # concurrency 4 was batched
+
+
+@pytest.mark.parametrize("flag", ["--json-out", "--trace-out"])
+def test_bench_serve_refuses_an_output_path_it_could_not_write_before_running(tmp_path, flag):
+    cmd = [sys.executable, "-m", "pagefleet", "bench", "serve", "--base-url", "http://127.0.0.1:9",
+           flag, str(tmp_path / "missing" / "out.json")]
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert done.returncode == 2 and f"{flag} " in done.stderr and "is not a writable folder" in done.stderr
+    assert "Traceback" not in done.stderr  # refused before it tried to reach the (absent) server

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import sys
 import time
@@ -204,6 +205,12 @@ def format_table(rows: list[dict]) -> str:
 def run(args: argparse.Namespace) -> int:
     if args.write_word_tokenizer:
         return write_word_tokenizer(args.write_word_tokenizer)
+    for flag, path in (("--json-out", args.json_out), ("--trace-out", args.trace_out)):
+        folder = os.path.dirname(os.path.abspath(path)) if path else None
+        if folder and not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
+            # said now, not after a run of minutes whose results would then have nowhere to go
+            print(f"pagefleet bench serve: {flag} {path}: {folder} is not a writable folder", file=sys.stderr)
+            return 2
     rows = asyncio.run(_main(args))
     print(format_table(rows))
     bad = [r for r in rows if r["errors"] or r["short_outputs"]]
