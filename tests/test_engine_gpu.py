@@ -6,12 +6,34 @@ benchmarks/gpu_bench.py runs the same comparison on 8B-shaped checkpoints; this 
 import pytest
 import torch
 
-from pagefleet.worker import LLM, SamplingParams
+from pagefleet.worker import LLM, SamplingParams, precompile
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
 PROMPTS = [list(range(1000, 1000 + n)) for n in (150, 20, 300, 7)]
+
+
+@pytest.fixture(autouse=True)
+def no_compile_workers(request, monkeypatch):
+    """Engines here compile in their own process: this file's many small engines, each with its own settings,
+    would each wait on workers that find the cache mostly filled. test_compile_workers_* use them."""
+    if not request.node.name.startswith("test_compile_workers"):
+        monkeypatch.setattr(precompile, "start", lambda *args: None)
+
+
+def forget_compiled_kernels():
+    """Drop the variants earlier tests compiled in this process: the next engine must compile (or load
+    from disk) every one it needs."""
+    import importlib
+
+    from triton.runtime.jit import JITFunction
+
+    for name in ("activation", "attention", "fp8", "gemv", "greedy", "kv_cache", "norm", "prefill_attention", "rope"):
+        module = importlib.import_module(f"pagefleet.kernels.{name}")
+        for obj in vars(module).values():
+            if isinstance(obj, JITFunction):
+                obj.device_caches.clear()
 
 
 def chosen_logprobs(model, prompt, tokens):
@@ -87,21 +109,13 @@ def test_no_kernel_compiles_after_start_up(tiny_models, monkeypatch, quantizatio
     argmax per batch size, RoPE at odd token counts). After start-up, odd and even token counts, prompt
     chunks mixed into decodes, many batch sizes, and greedy, sampled, penalised and forked rows must
     compile nothing."""
-    import importlib
-
     from triton.runtime.jit import JITFunction
 
     if quantization and torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("fp8 needs Ada or Hopper")
     if not hasattr(JITFunction, "_do_compile"):
         pytest.skip("this Triton compiles elsewhere")
-    # Forget the variants earlier tests compiled in this process, so that the engine's start-up alone
-    # must have made every one the workload needs.
-    for name in ("activation", "attention", "fp8", "gemv", "greedy", "kv_cache", "norm", "prefill_attention", "rope"):
-        module = importlib.import_module(f"pagefleet.kernels.{name}")
-        for obj in vars(module).values():
-            if isinstance(obj, JITFunction):
-                obj.device_caches.clear()
+    forget_compiled_kernels()  # the engine's start-up alone must make every variant the workload needs
     llm = LLM(str(tiny_models["llama"]), dtype="bfloat16", quantization=quantization, max_model_len=512,
               max_num_batched_tokens=48, max_num_seqs=16, gpu_memory_fraction=0.2)
     compiled = []
@@ -125,3 +139,27 @@ def test_no_kernel_compiles_after_start_up(tiny_models, monkeypatch, quantizatio
     assert any(s.num_prefill_tokens and s.num_decode_tokens for s in steps)
     assert len({s.num_seqs for s in steps if not s.num_prefill_tokens}) >= 4  # several decode batch sizes
     assert compiled == [], f"compiled after start-up: {compiled}"
+
+
+@pytest.mark.parametrize("quantization", [None, "fp8"])
+def test_compile_workers_fill_the_cache(tiny_models, tmp_path, monkeypatch, capsys, quantization):
+    """A cold start (empty Triton cache, nothing compiled in this process) with compile workers: they compile
+    every variant the engine's start-up needs, so this process compiles none; the next start with the same
+    settings finds the marker and starts no workers, and serves the same tokens."""
+    if quantization and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 needs Ada or Hopper")
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    forget_compiled_kernels()
+    settings = dict(dtype="bfloat16", quantization=quantization, max_model_len=512, max_num_batched_tokens=48, max_num_seqs=16,
+                    gpu_memory_fraction=0.2)
+    llm = LLM(str(tiny_models["llama"]), compile_workers=3, **settings)
+    out = capsys.readouterr().out
+    assert "3 compile workers done" in out and "compile worker failed" not in out, out
+    assert "this process compiled 0 kernels the workers had not" in out, out
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    first = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+    del llm
+    forget_compiled_kernels()
+    again = LLM(str(tiny_models["llama"]), compile_workers=3, **settings)
+    assert "compile workers done" not in capsys.readouterr().out
+    assert [o.outputs[0].token_ids for o in again.generate(PROMPTS, params)] == first

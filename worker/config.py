@@ -26,6 +26,7 @@ class EngineConfig:
     enable_lora: bool = False  # keep slots for LoRA adapters, loaded and unloaded while serving
     max_loras: int = 4  # adapters loaded at once
     max_lora_rank: int = 16
+    compile_workers: int | None = None  # processes compiling GPU kernels at a cold start (worker/precompile.py); None: auto, 0: none
     cpu_threads: int | None = None  # torch threads on CPU; default half the cores (the server and tokenizer need the rest)
 
     def validate(self) -> "EngineConfig":
@@ -44,6 +45,7 @@ class EngineConfig:
         need(self.num_gpu_blocks_override is None or self.num_gpu_blocks_override > 0, "num_gpu_blocks_override must be > 0")
         need(self.quantization in (None, "fp8"), f"quantization must be fp8 or unset, got {self.quantization!r}")
         need(self.max_loras > 0 and self.max_lora_rank > 0, "max_loras and max_lora_rank must be > 0")
+        need(self.compile_workers is None or self.compile_workers >= 0, f"compile_workers must be >= 0, got {self.compile_workers}")
         need(not (self.enable_lora and self.quantization), "LoRA adapters run on bf16 / fp32 weights; drop --quantization to use them")
         return self
 
@@ -71,6 +73,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-lora-rank", type=int, default=d.max_lora_rank)
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=d.async_scheduling,
                         help="overlap decode steps with the host's bookkeeping")
+    parser.add_argument("--compile-workers", type=int, default=d.compile_workers,
+                        help="processes that compile GPU kernels in parallel at a cold start (default: half the cores, "
+                             "at most 6; 0: compile in this one)")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -80,4 +85,5 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         enforce_eager=args.enforce_eager, gpu_memory_fraction=args.gpu_memory_fraction, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         num_gpu_blocks_override=args.num_gpu_blocks_override, quantization=args.quantization, seed=args.seed, cpu_threads=args.cpu_threads, async_scheduling=args.async_scheduling,
         enable_lora=args.enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
+        compile_workers=args.compile_workers,
     ).validate()

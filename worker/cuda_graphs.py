@@ -52,12 +52,15 @@ class DecodeGraphs:
         self.capture_seconds = 0.0
 
     @torch.inference_mode()
-    def capture(self) -> None:
+    def capture(self, share: tuple[int, int] | None = None) -> None:
+        """share (i, n): capture only every n-th size from the i-th (a compile worker's slice, which wants the
+        kernels compiled, not the graphs; the buffers keep the full sizes so the variants match)."""
         start = time.time()
         ops.reserve_arrivals(self.tokens.device)  # split GEMVs and attention merge through them
         pool = None
         ids, positions, slots = self.tokens
-        for bs in reversed(self.sizes):  # largest first, so smaller graphs reuse its memory pool
+        sizes = self.sizes if share is None else self.sizes[share[0]:: share[1]]
+        for bs in reversed(sizes):  # largest first, so smaller graphs reuse its memory pool
             meta = AttentionMetadata(slots[:bs], self.block_tables[:bs], self.seq_lens[:bs], self.cu_seqlens_q[: bs + 1],
                                      self.max_model_len, True)
             set_attention_metadata(meta)

@@ -6,7 +6,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from pagefleet.worker import engine_stats
+from pagefleet.worker import engine_stats, precompile
 from pagefleet.worker.block_manager import BlockManager
 from pagefleet.worker.config import EngineConfig
 from pagefleet.worker.detokenizer import find_stop, update_text, visible_text
@@ -31,8 +31,6 @@ class Request:
 
 class LLMEngine(OverlappedSteps):
     def __init__(self, config: EngineConfig):
-        from transformers import AutoTokenizer
-
         from pagefleet.worker.model_runner import ModelRunner
 
         self.config = config.validate()
@@ -43,9 +41,13 @@ class LLMEngine(OverlappedSteps):
         self.max_model_len = min(config.max_model_len or min(limit, MAX_DEFAULT_MODEL_LEN), limit)
         if config.max_model_len and config.max_model_len > limit:
             raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's max_position_embeddings={limit}")
+        # started before the tokenizer and the weights load, which they overlap
+        compile_workers = precompile.start(config, self.model_path, self.model_config, self.max_model_len)
+        from transformers import AutoTokenizer
+
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_path))
+        self.runner = ModelRunner(config, self.model_config, self.model_path, self.max_model_len, compile_workers)
         self.eos_token_ids = set(self.model_config.eos_token_ids or [self.tokenizer.eos_token_id])
-        self.runner = ModelRunner(config, self.model_config, self.model_path, self.max_model_len)
         self.runner.sampler.eos_token_ids = sorted(self.eos_token_ids)
         self.block_manager = BlockManager(self.runner.kv.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)

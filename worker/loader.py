@@ -155,7 +155,8 @@ def load_weights(model: torch.nn.Module, path: Path, device: torch.device) -> No
     model.tie_weights_if_needed()
 
 
-def build_model(config: ModelConfig, path: Path, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+def build_model(config: ModelConfig, path: Path | None, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+    """path None: random weights, for a compile worker's twin (worker/precompile.py), where only shapes count."""
     cls = model_class(config.architecture)
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # parameters are born in the serving dtype: no float32 copy of the model
@@ -165,6 +166,12 @@ def build_model(config: ModelConfig, path: Path, dtype: torch.dtype, device: tor
     finally:
         torch.set_default_dtype(default_dtype)
     model = model.to_empty(device=device)  # no random init: every parameter is overwritten by the loader
-    load_weights(model, path, device)
+    if path is None:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.normal_(0.0, 0.02)
+        model.tie_weights_if_needed()
+    else:
+        load_weights(model, path, device)
     model.post_load(device)
     return model.eval()

@@ -18,7 +18,7 @@ from pagefleet.worker import ops
 from pagefleet.worker.attention import AttentionMetadata, set_attention_metadata
 from pagefleet.worker.config import EngineConfig
 from pagefleet.worker.cuda_graphs import DecodeGraphs, batch_sizes
-from pagefleet.worker.kv_cache import KVCache, size_kv_cache
+from pagefleet.worker.kv_cache import KVCache, profile_peak_bytes, size_kv_cache
 from pagefleet.worker.loader import build_model
 from pagefleet.worker.lora import set_lora_mapping
 from pagefleet.worker.models import ModelConfig
@@ -61,7 +61,11 @@ class PendingTokens:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_config: ModelConfig, model_path, max_model_len: int):
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, model_path, max_model_len: int,
+                 compile_workers=None, compile_share: tuple[int, int] | None = None):
+        """model_path None: random weights (a compile worker's twin, worker/precompile.py). compile_workers:
+        the running CompileWorkers, waited for before the KV cache is sized. compile_share (i, n): a compile
+        worker's slice of the warm-up steps and graph captures."""
         self.config = config
         self.model_config = model_config
         self.max_model_len = max_model_len
@@ -86,6 +90,7 @@ class ModelRunner:
 
             quantize_model_fp8(self.model, self.device)
         self.load_seconds = time.time() - start
+        self.start_seconds = {"load": self.load_seconds, "workers": 0.0, "warmup": 0.0, "graphs": 0.0}
         self.lora = None
         if config.enable_lora:  # before the KV cache is sized, so the budget counts the adapter slots
             from pagefleet.worker.lora import LoRAManager
@@ -94,16 +99,27 @@ class ModelRunner:
         self.sampler = Sampler(self.device, config.seed, model_config.eos_token_ids)
         self.block_size = config.block_size
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
+        if compile_workers is not None:  # before measuring free memory: they hold some while they run
+            start = time.time()
+            compile_workers.wait()
+            self.start_seconds["workers"] = time.time() - start
+        if compile_share is not None and compile_share[0] == 0 and self.device.type == "cuda":
+            profile_peak_bytes(self, config)  # a worker's blocks are fixed, but this step's kernels are the engine's
         num_blocks = size_kv_cache(self, config, model_config)
         self.kv = KVCache(model_config, num_blocks, self.block_size, self.dtype, self.device)
         self.kv.bind(self.model)
         self.graphs: DecodeGraphs | None = None  # None: every step eager (--enforce-eager, CPU)
         if self.device.type == "cuda":
-            self._warmup()
+            start = time.time()
+            self._warmup(compile_share)
+            self.start_seconds["warmup"] = time.time() - start
             if not config.enforce_eager:
                 self.graphs = DecodeGraphs(self.model, self.device, batch_sizes(config.max_num_seqs), max_model_len,
                                            self.max_blocks_per_seq)
-                self.graphs.capture()
+                self.graphs.capture(compile_share)
+                self.start_seconds["graphs"] = self.graphs.capture_seconds
+            if compile_workers is not None:
+                compile_workers.mark_warm()
 
     # ---- step
 
@@ -243,15 +259,18 @@ class ModelRunner:
         return PendingTokens(tokens, host, event)
 
     @torch.inference_mode()
-    def _warmup(self) -> None:
+    def _warmup(self, share: tuple[int, int] | None = None) -> None:
         """Compile the eager path's kernel variants now, not in the first requests' time (a variant compiled
         mid-run stalled every running request for 100+ ms on the H200): prompt chunks, odd and even token
-        counts, and pure decode and mixed steps at one batch size per decode-attention launch setting."""
+        counts, and pure decode and mixed steps at one batch size per decode-attention launch setting.
+        share (i, n): every n-th case from the i-th (a compile worker's slice)."""
         dev = self.device
         start = time.perf_counter()
         cases = [(0, [8]), (0, [5, 4]), (1, [7]), (3, [8])]  # (decodes, prompt chunk lengths)
         for b in ops.decode_warmup_batches(self.config.max_num_seqs, self.model_config.num_key_value_heads):
             cases += [(b, [3]), (b, [])]
+        if share is not None:
+            cases = cases[share[0]:: share[1]]
         for num_decodes, chunks in cases:
             q_lens = [1] * num_decodes + chunks
             n, total = len(q_lens), sum(q_lens)

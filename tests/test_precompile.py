@@ -1,0 +1,64 @@
+"""Compile workers (worker/precompile.py): the process mechanics on CPU, where a worker builds its twin
+and has no kernels to compile. tests/test_engine_gpu.py checks on CUDA that they compile what start-up needs."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pagefleet.worker import precompile
+from pagefleet.worker.config import EngineConfig
+from pagefleet.worker.loader import load_model_config
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    return tmp_path / "triton"
+
+
+def test_no_workers_off_cuda_or_when_disabled(smollm2_path):
+    mc = load_model_config(smollm2_path)
+    assert precompile.start(EngineConfig(model=str(smollm2_path), device="cpu"), smollm2_path, mc, 256) is None
+    assert precompile.start(EngineConfig(model=str(smollm2_path), compile_workers=0), smollm2_path, mc, 256) is None
+    with pytest.raises(ValueError, match="compile_workers must be >= 0"):
+        EngineConfig(compile_workers=-1).validate()
+
+
+def test_a_worker_builds_its_twin_from_the_engine_settings(smollm2_path, tmp_path):
+    """The command line a worker gets: every EngineConfig field through JSON, a two-layer random twin, its share."""
+    config = EngineConfig(model=str(smollm2_path), device="cpu", max_num_seqs=8, enable_prefix_caching=False)
+    spec = {"config": __import__("dataclasses").asdict(config), "model": str(smollm2_path), "max_model_len": 128, "share": [1, 2]}
+    done = subprocess.run([sys.executable, "-m", "pagefleet.worker.precompile", json.dumps(spec)], capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_workers_run_once_then_the_marker_skips_them(smollm2_path, cache, capsys):
+    mc = load_model_config(smollm2_path)
+    config = EngineConfig(model=str(smollm2_path), device="cpu", compile_workers=2)
+    workers = precompile.CompileWorkers(config, smollm2_path, mc, 256)
+    assert len(workers.procs) == 2
+    workers.wait()
+    workers.mark_warm()
+    out = capsys.readouterr().out
+    assert "2 compile workers done" in out and "failed" not in out
+    assert "this process compiled 0 kernels" in out
+    assert workers.marker.exists() and workers.marker.parent.parent == cache
+    assert precompile.CompileWorkers(config, smollm2_path, mc, 256).procs == []  # warm: none started
+    # other settings are another marker: workers again
+    other = precompile.CompileWorkers(EngineConfig(model=str(smollm2_path), device="cpu", compile_workers=1, max_num_seqs=8),
+                                      smollm2_path, mc, 256)
+    assert len(other.procs) == 1 and other.marker != workers.marker
+    other.wait()
+
+
+def test_a_failed_worker_is_reported_not_fatal(smollm2_path, cache, capsys):
+    mc = load_model_config(smollm2_path)
+    workers = precompile.CompileWorkers(EngineConfig(device="cpu", compile_workers=1), Path("/nonexistent-model"), mc, 256)
+    workers.wait()
+    out = capsys.readouterr().out
+    assert "a compile worker failed (exit 1: FileNotFoundError" in out and "nonexistent-model" in out
+    assert not workers.marker.exists()

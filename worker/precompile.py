@@ -1,0 +1,175 @@
+"""Start-up kernel compiles in parallel: worker processes fill Triton's on-disk cache while this one loads.
+
+A cold start spent ~30 s of its ~53 s compiling kernel variants one after another, each on its first
+launch (the eager warm-up, then the decode graphs; H200, 8B shape, FP8). Each worker builds a two-layer
+twin of the model (same shapes, random weights: the variants depend on shapes and settings, not on values
+or on depth past the second layer) and runs its share of the warm-up steps and graph captures. Meanwhile
+this process imports, reads the tokenizer and loads the weights; its own warm-up then finds the variants
+on disk. The workers exit before this process sizes its KV cache from free memory.
+
+A marker in the cache folder records a start-up that finished with these kernels and settings, so a warm
+cache (a restart on the same node: the operator's kernel-cache volume) starts no workers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import weakref
+from pathlib import Path
+
+from pagefleet.worker.config import EngineConfig
+from pagefleet.worker.models import ModelConfig
+
+WAIT_SECONDS = 300  # a worker still compiling after this is stopped; this process compiles what is left
+# H200 machine, 16 cores, FP8 8B cold start: 3 / 4 / 6 workers were done 23.0 / 25.0 / 18.9 s after they
+# started; 8 took 25.2 s (they contend for the cores and the GPU while this process loads the weights)
+MAX_AUTO_WORKERS = 6
+
+
+def auto_workers() -> int:
+    return max(1, min(MAX_AUTO_WORKERS, (os.cpu_count() or 2) // 2))
+
+
+def cache_dir() -> Path:
+    """Triton's kernel cache folder (TRITON_CACHE_DIR, else its default)."""
+    return Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
+
+
+def warm_marker(config: EngineConfig, model_config: ModelConfig, max_model_len: int) -> Path:
+    """The marker file of a finished start-up with these kernel sources, versions, shapes and settings."""
+    import torch
+    import triton
+
+    from pagefleet import kernels
+
+    h = hashlib.sha256()
+    for f in sorted(Path(kernels.__file__).parent.glob("*.py")):
+        h.update(f.read_bytes())
+    shape = dataclasses.asdict(model_config) | {"num_hidden_layers": 0, "eos_token_ids": []}
+    settings = {k: getattr(config, k) for k in ("dtype", "max_num_seqs", "max_num_batched_tokens", "block_size", "enforce_eager",
+                                                 "quantization", "enable_lora", "max_loras", "max_lora_rank")}
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "none"
+    h.update(json.dumps([shape, settings, max_model_len, triton.__version__, torch.__version__, gpu], sort_keys=True,
+                        default=str).encode())
+    return cache_dir() / "pagefleet" / f"warm-{h.hexdigest()[:24]}"
+
+
+class CompileWorkers:
+    """The worker processes of one start-up; wait() before sizing the KV cache."""
+
+    def __init__(self, config: EngineConfig, model_path: Path, model_config: ModelConfig, max_model_len: int):
+        self.procs: list[tuple[subprocess.Popen, tempfile.TemporaryFile]] = []
+        self.marker = warm_marker(config, model_config, max_model_len)
+        self.cached_after_workers: int | None = None  # cache entries when the workers were done
+        if self.marker.exists():
+            return
+        spec = {"config": dataclasses.asdict(config), "model": str(Path(model_path).resolve()), "max_model_len": max_model_len}
+        n = auto_workers() if config.compile_workers is None else config.compile_workers
+        for i in range(n):
+            log = tempfile.TemporaryFile()
+            cmd = [sys.executable, "-m", "pagefleet.worker.precompile", json.dumps(spec | {"share": [i, n]})]
+            # run from the temp folder: `-m` puts the working folder on sys.path, and a checkout's top-level
+            # operator/ would shadow the standard library's
+            self.procs.append((subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, cwd=tempfile.gettempdir()), log))
+        self.started = time.perf_counter()
+        # if start-up fails before wait() (a bad tokenizer, an interrupt), the workers go with this process
+        weakref.finalize(self, _kill, [p for p, _ in self.procs])
+
+    def wait(self) -> None:
+        if not self.procs:
+            return
+        failed, phases = [], []
+        for proc, log in self.procs:
+            try:
+                proc.wait(timeout=max(1.0, WAIT_SECONDS - (time.perf_counter() - self.started)))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            log.seek(0)
+            lines = log.read().decode(errors="replace").strip().splitlines() or ["no output"]
+            if proc.returncode:
+                failed.append(f"exit {proc.returncode}: {lines[-1]}")  # the exception's own line
+            elif lines[-1].startswith("phases: "):
+                phases.append(lines[-1][len("phases: "):])
+            log.close()
+        self.cached_after_workers = _cache_entries()
+        print(f"pagefleet: {len(self.procs)} compile workers done in {time.perf_counter() - self.started:.1f}s "
+              f"({len(self.cached_after_workers)} kernels cached)", flush=True)
+        if phases:  # the last one to finish: what the start-up waited for
+            print(f"pagefleet: slowest compile worker: {max(phases, key=_all_seconds)}", flush=True)
+        for f in failed:  # not fatal: this process compiles whatever they did not
+            print(f"pagefleet: a compile worker failed ({f})", flush=True)
+        self.procs = []
+
+    def mark_warm(self) -> None:
+        """After this process's own warm-up and graph capture: the cache now holds every variant."""
+        if self.cached_after_workers is not None:
+            new = sorted(_kernel_name(cache_dir() / e) for e in _cache_entries() - self.cached_after_workers)
+            print(f"pagefleet: this process compiled {len(new)} kernels the workers had not"
+                  f"{': ' + ', '.join(new) if new else ''}", flush=True)
+        self.marker.parent.mkdir(parents=True, exist_ok=True)
+        self.marker.touch()
+
+
+def _kill(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        p.kill()  # a no-op for one already waited for
+
+
+def _all_seconds(phases: str) -> float:
+    return float(phases.rsplit(" ", 1)[-1].rstrip("s"))
+
+
+def _cache_entries() -> set[str]:
+    """Triton's cache folder holds one subfolder per compiled kernel (or launcher)."""
+    folder = cache_dir()
+    return {e.name for e in folder.iterdir() if e.is_dir() and e.name != "pagefleet"} if folder.exists() else set()
+
+
+def _kernel_name(entry: Path) -> str:
+    names = sorted(f.stem for f in entry.iterdir() if f.suffix in (".cubin", ".so"))
+    return names[0] if names else entry.name
+
+
+def start(config: EngineConfig, model_path: Path, model_config: ModelConfig, max_model_len: int) -> CompileWorkers | None:
+    """Compile workers for this start-up; None off CUDA or with compile_workers=0."""
+    if config.compile_workers == 0:
+        return None
+    from pagefleet.worker.model_runner import resolve_device
+
+    if resolve_device(config.device).type != "cuda":
+        return None
+    return CompileWorkers(config, model_path, model_config, max_model_len)
+
+
+def _work(spec: dict) -> None:
+    """A worker: build the two-layer twin and run its share of the warm-up steps and graph captures. Its
+    last line on stderr gives its phases' seconds, for the start-up's summary."""
+    start = time.perf_counter()
+    from pagefleet.worker.loader import load_model_config
+    from pagefleet.worker.model_runner import ModelRunner
+
+    imported = time.perf_counter()
+
+    # two layers: the second reads the norm sums a GEMV wrote, the first those of the embeddings (other variants)
+    model_config = load_model_config(Path(spec["model"]))
+    model_config = dataclasses.replace(model_config, num_hidden_layers=min(2, model_config.num_hidden_layers))
+    max_model_len = spec["max_model_len"]
+    config = EngineConfig(**spec["config"])
+    blocks = -(-max_model_len // config.block_size) + 1  # one sequence at full length: the least the runner takes
+    config = dataclasses.replace(config, compile_workers=0, num_gpu_blocks_override=blocks)
+    runner = ModelRunner(config, model_config, None, max_model_len, compile_share=tuple(spec["share"]))
+    t = runner.start_seconds
+    print(f"phases: imports {imported - start:.1f}s, twin {t['load']:.1f}s, warm-up {t['warmup']:.1f}s, graphs "
+          f"{t['graphs']:.1f}s, all {time.perf_counter() - start:.1f}s", file=sys.stderr, flush=True)
+
+
+if __name__ == "__main__":
+    _work(json.loads(sys.argv[1]))
