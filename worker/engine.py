@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from pagefleet.worker import engine_stats, precompile
@@ -12,7 +11,7 @@ from pagefleet.worker.block_manager import BlockManager
 from pagefleet.worker.config import EngineConfig
 from pagefleet.worker.detokenizer import find_stop, update_text, visible_text
 from pagefleet.worker.engine_stats import EngineStats, StepRecord
-from pagefleet.worker.loader import load_model_config, resolve_model_path
+from pagefleet.worker.loader import load_model_config, load_tokenizer, resolve_model_path
 from pagefleet.worker.outputs import CompletionOutput, RequestOutput
 from pagefleet.worker.overlap import PLACEHOLDER, OverlappedSteps, PendingStep
 from pagefleet.worker.sampling import SamplingParams
@@ -20,13 +19,6 @@ from pagefleet.worker.scheduler import Scheduler
 from pagefleet.worker.sequence import Sequence
 
 MAX_DEFAULT_MODEL_LEN = 8192
-
-
-def _load_tokenizer(path):
-    start = time.perf_counter()
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(path)), time.perf_counter() - start
 
 
 @dataclass
@@ -52,16 +44,15 @@ class LLMEngine(OverlappedSteps):
             raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's max_position_embeddings={limit}")
         # started before the tokenizer and the weights load, which they overlap
         compile_workers = precompile.start(config, self.model_path, self.model_config, self.max_model_len)
-        # importing transformers took 8.4 s on the H200 machine: on a thread, beside the weights' load
-        with ThreadPoolExecutor(1) as pool:
-            tokenizer = pool.submit(_load_tokenizer, self.model_path)
-            self.runner = ModelRunner(config, self.model_config, self.model_path, self.max_model_len, compile_workers)
-            self.tokenizer, tokenizer_seconds = tokenizer.result()
+        tokenizer_start = time.perf_counter()
+        self.tokenizer = load_tokenizer(self.model_path)
+        tokenizer_seconds = time.perf_counter() - tokenizer_start
+        self.runner = ModelRunner(config, self.model_config, self.model_path, self.max_model_len, compile_workers)
         if self.runner.device.type == "cuda":
             t = self.runner.start_seconds
-            print(f"pagefleet: engine up in {time.perf_counter() - start:.1f}s: weights {t['load']:.1f}s beside the tokenizer "
-                  f"{tokenizer_seconds:.1f}s, then compile workers {t['workers']:.1f}s, warm-up {t['warmup']:.1f}s, "
-                  f"graphs {t['graphs']:.1f}s", flush=True)
+            print(f"pagefleet: engine up in {time.perf_counter() - start:.1f}s: tokenizer {tokenizer_seconds:.1f}s, weights "
+                  f"{t['load']:.1f}s, then compile workers {t['workers']:.1f}s, warm-up {t['warmup']:.1f}s, graphs "
+                  f"{t['graphs']:.1f}s", flush=True)
         self.eos_token_ids = set(self.model_config.eos_token_ids or [self.tokenizer.eos_token_id])
         self.runner.sampler.eos_token_ids = sorted(self.eos_token_ids)
         self.block_manager = BlockManager(self.runner.kv.num_blocks, config.block_size, config.enable_prefix_caching)
