@@ -34,7 +34,9 @@ MAX_AUTO_WORKERS = 6
 
 
 def auto_workers() -> int:
-    return max(1, min(MAX_AUTO_WORKERS, (os.cpu_count() or 2) // 2))
+    """Half the cores this process may run on (its CPU set, where the OS has one), at most MAX_AUTO_WORKERS."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 2)
+    return max(1, min(MAX_AUTO_WORKERS, cores // 2))
 
 
 def cache_dir() -> Path:
