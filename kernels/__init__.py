@@ -12,7 +12,7 @@ from .reference import rope_cos_sin_cache  # noqa: F401
 
 __all__ = ["triton_available", "reference", "rope_cos_sin_cache", "write_kv_cache", "paged_decode_attention",
            "paged_prefill_attention", "rms_norm", "fused_add_rms_norm", "apply_rope", "rope_and_write_kv", "silu_and_mul",
-           "argmax", "quantize_fp8_per_token", "fp8_linear"]
+           "argmax", "quantize_fp8_per_token", "fp8_linear", "fp8_gemm", "rms_norm_fp8", "fused_add_rms_norm_fp8", "silu_and_mul_fp8"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -53,3 +53,7 @@ silu_and_mul = _dispatch("activation", "silu_and_mul")
 argmax = _dispatch("greedy", "argmax")
 quantize_fp8_per_token = _dispatch("fp8", "quantize_fp8_per_token")
 fp8_linear = _dispatch("fp8", "fp8_linear")
+fp8_gemm = _dispatch("fp8", "fp8_gemm")
+rms_norm_fp8 = _dispatch("norm", "rms_norm_fp8")
+fused_add_rms_norm_fp8 = _dispatch("norm", "fused_add_rms_norm_fp8")
+silu_and_mul_fp8 = _dispatch("activation", "silu_and_mul_fp8")

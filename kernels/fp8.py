@@ -43,13 +43,17 @@ def quantize_fp8_per_token(x):
 
 
 def fp8_linear(x, w_fp8, w_scale, bias=None, out_dtype=None):
-    """y = x @ W^T, W = w_fp8 [N, K] * w_scale [N] (fp32). x [..., K]; K and N multiples of 16.
+    """y = x @ W^T, W = w_fp8 [N, K] * w_scale [N] (fp32). x [..., K]; K and N multiples of 16."""
+    out_dtype = out_dtype or x.dtype
+    xq, x_scale = quantize_fp8_per_token(x.reshape(-1, x.shape[-1]))
+    return fp8_gemm(xq, x_scale, w_fp8, w_scale, bias, out_dtype).reshape(*x.shape[:-1], w_fp8.shape[0])
+
+
+def fp8_gemm(xq, x_scale, w_fp8, w_scale, bias=None, out_dtype=torch.bfloat16):
+    """y = (xq * x_scale) @ W^T for rows already quantised per token (xq e4m3 [M, K], x_scale fp32 [M, 1]),
+    e.g. by norm.rms_norm_fp8 or activation.silu_and_mul_fp8.
 
     _scaled_mm wants A row-major and B column-major: w_fp8 stored [N, K] row-major, so w_fp8.t() is.
     """
-    out_dtype = out_dtype or x.dtype
-    x2 = x.reshape(-1, x.shape[-1])
-    xq, x_scale = quantize_fp8_per_token(x2)
-    y = torch._scaled_mm(xq, w_fp8.t(), scale_a=x_scale, scale_b=w_scale.view(1, -1).float(), bias=bias,
-                         out_dtype=out_dtype)
-    return y.reshape(*x.shape[:-1], w_fp8.shape[0])
+    return torch._scaled_mm(xq, w_fp8.t(), scale_a=x_scale, scale_b=w_scale.view(1, -1).float(), bias=bias,
+                            out_dtype=out_dtype)

@@ -1,16 +1,21 @@
-"""RMSNorm (plain and with the residual add fused) in Triton, numerically like HF's LlamaRMSNorm."""
+"""RMSNorm (plain and with the residual add fused) in Triton, numerically like HF's LlamaRMSNorm; optionally
+quantised per token for the FP8 GEMM that reads it."""
 import torch
 import triton
 import triton.language as tl
 
+from .reference import FP8_MAX
+
 
 @triton.jit(do_not_specialize=["n_rows"])  # token counts vary every step
-def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_rows, n_inner, stride_x0, stride_x1, stride_r0,
-                     stride_r1, eps, N: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
-                     ADD_RESIDUAL: tl.constexpr):
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, scale_ptr, n_rows, n_inner, stride_x0, stride_x1,
+                     stride_r0, stride_r1, eps, N: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
+                     ADD_RESIDUAL: tl.constexpr, FP8: tl.constexpr, FP8_MAX: tl.constexpr):
     """ROWS rows per program (many short rows, e.g. per-head q/k norm, would starve one-row programs).
 
     Rows are indexed by two leading dims, so a strided [T, H, D] view of a fused qkv needs no copy.
+    FP8: out is e4m3 with one scale per row, the next GEMM's per-token quantisation of the rounded output
+    (as fp8.quantize_fp8_per_token would do it), so the normalised rows never go through memory in bf16.
     """
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     i0, i1 = (rows // n_inner).to(tl.int64), (rows % n_inner).to(tl.int64)
@@ -26,9 +31,18 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_rows, n_inne
         tl.store(res_out_ptr + out_offs, s, mask=mask)
         x = s.to(tl.float32)
     var = tl.sum(x * x, axis=1) / N
-    h = (x * tl.rsqrt(var + eps)[:, None]).to(out_ptr.dtype.element_ty).to(tl.float32)  # HF: .to(input_dtype) first
+    dtype = x_ptr.dtype.element_ty  # the output's dtype (before any FP8 quantisation)
+    h = (x * tl.rsqrt(var + eps)[:, None]).to(dtype).to(tl.float32)  # HF: .to(input_dtype) first
     w = tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
-    tl.store(out_ptr + out_offs, (w[None, :] * h).to(out_ptr.dtype.element_ty), mask=mask)
+    y = (w[None, :] * h).to(dtype)
+    if FP8:
+        y = y.to(tl.float32)
+        scale = tl.maximum(tl.max(tl.abs(y), axis=1), 1e-12) / FP8_MAX  # padding lanes and rows hold 0
+        q = tl.minimum(tl.maximum(y / scale[:, None], -FP8_MAX), FP8_MAX)
+        tl.store(out_ptr + out_offs, q.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(scale_ptr + rows, scale, mask=rows < n_rows)
+    else:
+        tl.store(out_ptr + out_offs, y, mask=mask)
 
 
 def _rows(t):
@@ -43,7 +57,7 @@ def _rows(t):
     return t, t.shape[1], t.stride(0), t.stride(1)
 
 
-def _launch(x, residual, weight, eps):
+def _launch(x, residual, weight, eps, fp8=False):
     N = x.shape[-1]
     if residual is None:
         xr, n_inner, sx0, sx1 = _rows(x)
@@ -53,16 +67,17 @@ def _launch(x, residual, weight, eps):
         rr, _, sr0, sr1 = _rows(residual.reshape(-1, N))
         n_inner = 1
     rows = xr.numel() // N
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    out = torch.empty(x.shape, dtype=torch.float8_e4m3fn if fp8 else x.dtype, device=x.device)
     res_out = torch.empty(x.shape, dtype=x.dtype, device=x.device) if residual is not None else out
-    if rows == 0:
-        return out, res_out
-    block = triton.next_power_of_2(N)
-    rows_per_prog = max(1, min(32, 4096 // block))  # ~4096 elements a program
-    _rms_norm_kernel[(triton.cdiv(rows, rows_per_prog),)](
-        xr, rr, weight, out, res_out, rows, n_inner, sx0, sx1, sr0, sr1, eps, N=N, BLOCK=block, ROWS=rows_per_prog,
-        ADD_RESIDUAL=residual is not None, num_warps=min(max(block * rows_per_prog // 256, 1), 16))
-    return out, res_out
+    scale = torch.empty(rows, 1, dtype=torch.float32, device=x.device) if fp8 else None
+    if rows:
+        block = triton.next_power_of_2(N)
+        rows_per_prog = max(1, min(32, 4096 // block))  # ~4096 elements a program
+        _rms_norm_kernel[(triton.cdiv(rows, rows_per_prog),)](
+            xr, rr, weight, out, res_out, scale if fp8 else out, rows, n_inner, sx0, sx1, sr0, sr1, eps, N=N, BLOCK=block,
+            ROWS=rows_per_prog, ADD_RESIDUAL=residual is not None, FP8=fp8, FP8_MAX=FP8_MAX,
+            num_warps=min(max(block * rows_per_prog // 256, 1), 16))
+    return (out.view(-1, N), scale) if fp8 else out, res_out
 
 
 def rms_norm(x, weight, eps=1e-6):
@@ -73,3 +88,14 @@ def rms_norm(x, weight, eps=1e-6):
 def fused_add_rms_norm(x, residual, weight, eps=1e-6):
     """-> (rms_norm(x + residual), x + residual), in one pass over memory."""
     return _launch(x, residual, weight, eps)
+
+
+def rms_norm_fp8(x, weight, eps=1e-6):
+    """x [T, D] -> rms_norm(x) quantised per token for an FP8 GEMM: (e4m3 [T, D], fp32 scale [T, 1])."""
+    return _launch(x, None, weight, eps, fp8=True)[0]
+
+
+def fused_add_rms_norm_fp8(x, residual, weight, eps=1e-6):
+    """-> (e4m3 rows, scales [T, 1], x + residual): fused_add_rms_norm with its output quantised per token."""
+    (q, scale), res_out = _launch(x, residual, weight, eps, fp8=True)
+    return q, scale, res_out

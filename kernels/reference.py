@@ -231,6 +231,22 @@ def quantize_fp8_per_token(x):
     return q, scale
 
 
+def rms_norm_fp8(x, weight, eps=1e-6):
+    """rms_norm(x) [T, D] quantised per token for an FP8 GEMM: (e4m3 [T, D], fp32 scale [T, 1])."""
+    return quantize_fp8_per_token(rms_norm(x, weight, eps))
+
+
+def fused_add_rms_norm_fp8(x, residual, weight, eps=1e-6):
+    """-> (e4m3 rows, scales [T, 1], x + residual): fused_add_rms_norm with its output quantised per token."""
+    normed, new_residual = fused_add_rms_norm(x, residual, weight, eps)
+    return (*quantize_fp8_per_token(normed), new_residual)
+
+
+def silu_and_mul_fp8(x):
+    """silu_and_mul(x) [T, I] quantised per token for an FP8 GEMM: (e4m3 [T, I], fp32 scale [T, 1])."""
+    return quantize_fp8_per_token(silu_and_mul(x))
+
+
 def quantize_weight_fp8(w):
     """Weight [N, K] -> (e4m3 [N, K], fp32 per-output-channel scale [N])."""
     q, scale = quantize_fp8_per_token(w)
@@ -241,7 +257,12 @@ def fp8_linear(x, w_fp8, w_scale, bias=None, out_dtype=None):
     """y = x @ W^T with W = w_fp8 * w_scale[:, None], x quantised per token: dequantise and matmul in fp32."""
     out_dtype = out_dtype or x.dtype
     xq, x_scale = quantize_fp8_per_token(x.reshape(-1, x.shape[-1]))
+    return fp8_gemm(xq, x_scale, w_fp8, w_scale, bias, out_dtype).reshape(*x.shape[:-1], w_fp8.shape[0])
+
+
+def fp8_gemm(xq, x_scale, w_fp8, w_scale, bias=None, out_dtype=torch.bfloat16):
+    """(xq * x_scale) @ (w_fp8 * w_scale[:, None])^T (+ bias) for rows already quantised per token, in fp32."""
     y = (xq.float() * x_scale) @ (w_fp8.float() * w_scale.float()[:, None]).t()
     if bias is not None:
         y = y + bias.float()
-    return y.to(out_dtype).reshape(*x.shape[:-1], w_fp8.shape[0])
+    return y.to(out_dtype)

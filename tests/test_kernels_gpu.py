@@ -142,6 +142,34 @@ def test_small_kernels_bf16():
     close(fp8.fp8_linear(x, w8, ws), ref.fp8_linear(x, w8, ws), BF)
 
 
+def test_fp8_quantising_norms_and_activation_bf16():
+    """rms_norm_fp8, fused_add_rms_norm_fp8 and silu_and_mul_fp8 on the 8B shape: bit for bit the plain
+    kernel's output through quantize_fp8_per_token (rows of very different sizes), and fp8_gemm on their
+    rows the same as fp8_linear on the plain output."""
+    from pagefleet.kernels import activation, fp8, norm
+
+    def same(got, expected):
+        (q, scale), (q_ref, scale_ref) = got, expected
+        assert q.dtype == torch.float8_e4m3fn and q.shape == q_ref.shape and scale.shape == scale_ref.shape
+        assert torch.equal(scale, scale_ref) and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+
+    T = 777
+    sizes = torch.logspace(-2, 2, T, device="cuda")[:, None]
+    x, r = (torch.randn(T, 4096, device="cuda") * sizes).to(BF), torch.randn(T, 4096, device="cuda", dtype=BF)
+    w = torch.randn(4096, device="cuda", dtype=BF)
+    same(norm.rms_norm_fp8(x, w), fp8.quantize_fp8_per_token(norm.rms_norm(x, w)))
+    q, scale, res = norm.fused_add_rms_norm_fp8(x, r, w)
+    normed, res_ref = norm.fused_add_rms_norm(x, r, w)
+    same((q, scale), fp8.quantize_fp8_per_token(normed))
+    assert torch.equal(res, res_ref)
+    w8, ws = ref.quantize_weight_fp8(torch.randn(512, 4096, device="cuda", dtype=BF))
+    assert torch.equal(fp8.fp8_gemm(q, scale, w8, ws), fp8.fp8_linear(normed, w8, ws))
+    xm = (torch.randn(T, 2 * 14336, device="cuda") * sizes * 3).to(BF)
+    same(activation.silu_and_mul_fp8(xm), fp8.quantize_fp8_per_token(activation.silu_and_mul(xm)))
+    q, scale = norm.rms_norm_fp8(x[:0], w)  # an empty step launches nothing
+    assert q.shape == (0, 4096) and scale.shape == (0, 1)
+
+
 LLAMA_8B_LINEARS = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
                     "lm_head": (128256, 4096)}  # name: (N, K)
 
