@@ -136,7 +136,7 @@ def drain(eng):
 def prefill(eng):
     rng = random.Random(0)
     rows = {}
-    for budget in (8192, 16384):
+    for budget in (564, 8192, 16384):  # one prompt (concurrency 1's TTFT), then full token budgets
         n = min(budget, eng.config.max_num_batched_tokens) // 564
 
         def one_prompt_step():  # fresh random prompts each time: no prefix-cache hits
