@@ -27,6 +27,43 @@ def test_no_workers_off_cuda_or_when_disabled(smollm2_path):
         EngineConfig(compile_workers=-1).validate()
 
 
+def test_an_nvidia_gpu_is_told_without_torch(monkeypatch):
+    """The engine starts its workers before it imports torch: the GPU check and the marker must not import it."""
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setattr(precompile.os.path, "exists", lambda path: path == "/dev/nvidiactl")
+    assert precompile.nvidia_gpu_visible("auto") and precompile.nvidia_gpu_visible("cuda:1")
+    assert not precompile.nvidia_gpu_visible("cpu")
+    for hidden in ("", "-1"):
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", hidden)
+        assert not precompile.nvidia_gpu_visible("auto")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    monkeypatch.setattr(precompile.os.path, "exists", lambda path: False)  # no NVIDIA driver
+    assert not precompile.nvidia_gpu_visible("auto")
+
+
+def test_the_engine_reaches_its_workers_before_torch(smollm2_path):
+    code = ("import sys; from pathlib import Path; import pagefleet.worker.serve, pagefleet.worker.async_engine; "
+            "from pagefleet.worker import precompile; from pagefleet.worker.config import EngineConfig; "
+            "from pagefleet.worker.loader import load_model_config, resolve_model_path; "
+            f"path = resolve_model_path({str(smollm2_path)!r}); "
+            "precompile.warm_marker(EngineConfig(), load_model_config(path), 256); "
+            "precompile.start(EngineConfig(), path, load_model_config(path), 256); "
+            "print(sorted(m for m in ('torch', 'triton', 'transformers') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=str(smollm2_path))
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_a_worker_without_cuda_exits_at_once(smollm2_path, tmp_path):
+    if __import__("torch").cuda.is_available():
+        pytest.skip("this machine has CUDA: a worker would compile")
+    spec = {"config": __import__("dataclasses").asdict(EngineConfig(model=str(smollm2_path))), "model": str(smollm2_path),
+            "max_model_len": 128, "share": [0, 1]}
+    done = subprocess.run([sys.executable, "-m", "pagefleet.worker.precompile", json.dumps(spec)], capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path)
+    assert done.returncode == 0 and done.stderr.strip().splitlines()[-1] == "phases: no CUDA here, all 0.0s", done.stderr[-2000:]
+
+
 def test_a_worker_builds_its_twin_from_the_engine_settings(smollm2_path, tmp_path):
     """The command line a worker gets: every EngineConfig field through JSON, a two-layer random twin, its share."""
     config = EngineConfig(model=str(smollm2_path), device="cpu", max_num_seqs=8, enable_prefix_caching=False)

@@ -32,8 +32,6 @@ class Request:
 class LLMEngine(OverlappedSteps):
     def __init__(self, config: EngineConfig):
         start = time.perf_counter()
-        from pagefleet.worker.model_runner import ModelRunner
-
         self.config = config.validate()
         self.model_path = resolve_model_path(config.model)
         self.model_name = self.model_path.name
@@ -42,8 +40,10 @@ class LLMEngine(OverlappedSteps):
         self.max_model_len = min(config.max_model_len or min(limit, MAX_DEFAULT_MODEL_LEN), limit)
         if config.max_model_len and config.max_model_len > limit:
             raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's max_position_embeddings={limit}")
-        # started before the tokenizer and the weights load, which they overlap
+        # started before torch is imported, the tokenizer read and the weights loaded, all of which they overlap
         compile_workers = precompile.start(config, self.model_path, self.model_config, self.max_model_len)
+        from pagefleet.worker.model_runner import ModelRunner  # imports torch
+
         tokenizer_start = time.perf_counter()
         self.tokenizer = load_tokenizer(self.model_path)
         tokenizer_seconds = time.perf_counter() - tokenizer_start

