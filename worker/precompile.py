@@ -26,6 +26,7 @@ import tempfile
 import time
 import weakref
 from pathlib import Path
+from typing import IO
 
 from pagefleet.worker.config import EngineConfig
 from pagefleet.worker.models import ModelConfig
@@ -87,9 +88,9 @@ class CompileWorkers:
     """The worker processes of one start-up; wait() before sizing the KV cache."""
 
     def __init__(self, config: EngineConfig, model_path: Path, model_config: ModelConfig, max_model_len: int):
-        self.procs: list[tuple[subprocess.Popen, tempfile.TemporaryFile]] = []
+        self.procs: list[tuple[subprocess.Popen, IO[bytes]]] = []  # each worker and its stderr
         self.marker = warm_marker(config, model_config, max_model_len)
-        self.cached_after_workers: int | None = None  # cache entries when the workers were done
+        self.cached_after_workers: set[str] | None = None  # the cache's entries when the workers were done
         if self.marker.exists():
             return
         spec = {"config": dataclasses.asdict(config), "model": str(Path(model_path).resolve()), "max_model_len": max_model_len}
