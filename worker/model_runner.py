@@ -271,6 +271,8 @@ class ModelRunner:
             cases += [(b, [3]), (b, [])]
         if share is not None:
             cases = cases[share[0]:: share[1]]
+            if not cases:  # more workers than cases
+                return
         for num_decodes, chunks in cases:
             q_lens = [1] * num_decodes + chunks
             n, total = len(q_lens), sum(q_lens)
