@@ -115,9 +115,8 @@ def _pct(values: list[float], q: float) -> float:
     return values[lo] + (values[hi] - values[lo]) * (k - lo)
 
 
-async def _level(session, args, model: str, prompts: list, concurrency: int) -> tuple[dict, list[Result], float]:
+async def _level(session, args, headers: dict, model: str, prompts: list, concurrency: int) -> tuple[dict, list[Result], float]:
     url = args.base_url.rstrip("/") + "/v1/completions"
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     todo = list(prompts)
     results: list[Result] = []
 
@@ -162,11 +161,11 @@ async def _main(args) -> list[dict]:
             ids = [rng.randrange(args.vocab_low, high) for _ in range(args.input_len)]
             return " ".join(f"t{i}" for i in ids) if args.prompt_format == "words" else ids
 
-        await _level(session, args, model, [prompt()], 1)  # warm-up, not reported
+        await _level(session, args, headers, model, [prompt()], 1)  # warm-up, not reported
         rows, trace = [], []
         for c in args.concurrency:
             n = args.num_requests or max(16, 4 * c)
-            row, results, start = await _level(session, args, model, [prompt() for _ in range(n)], c)
+            row, results, start = await _level(session, args, headers, model, [prompt() for _ in range(n)], c)
             rows.append(row)
             print(f"  c={c}: {row['requests']} requests, {row['errors']} errors, {row['output_tok_s']:.1f} tok/s",
                   file=sys.stderr, flush=True)
