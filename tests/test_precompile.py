@@ -64,6 +64,17 @@ def test_a_worker_without_cuda_exits_at_once(smollm2_path, tmp_path):
     assert done.returncode == 0 and done.stderr.strip().splitlines()[-1] == "phases: no CUDA here, all 0.0s", done.stderr[-2000:]
 
 
+def test_the_default_count_follows_the_container_cpu_limit(tmp_path, monkeypatch):
+    monkeypatch.setattr(precompile.os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
+    limit = tmp_path / "cpu.max"
+    monkeypatch.setattr(precompile, "CGROUP_CPU_MAX", limit)
+    for text, cpus, workers in (("max 100000", 64, 6), ("200000 100000", 2, 1), ("450000 100000", 5, 2), ("50000 100000", 1, 1)):
+        limit.write_text(text + "\n")
+        assert (precompile.usable_cpus(), precompile.auto_workers()) == (cpus, workers), text
+    limit.unlink()  # no cgroup v2: the CPU set alone
+    assert precompile.usable_cpus() == 64
+
+
 def test_a_worker_builds_its_twin_from_the_engine_settings(smollm2_path, tmp_path):
     """The command line a worker gets: every EngineConfig field through JSON, a two-layer random twin, its share."""
     config = EngineConfig(model=str(smollm2_path), device="cpu", max_num_seqs=8, enable_prefix_caching=False)

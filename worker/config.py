@@ -74,8 +74,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=d.async_scheduling,
                         help="overlap decode steps with the host's bookkeeping")
     parser.add_argument("--compile-workers", type=int, default=d.compile_workers,
-                        help="processes that compile GPU kernels in parallel at a cold start (default: half the cores, "
-                             "at most 6; 0: compile in this one)")
+                        help="processes that compile GPU kernels in parallel at a cold start (default: half the CPUs this "
+                             "process may use, its container's CPU limit included, at most 6; 0: compile in this one)")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

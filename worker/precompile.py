@@ -19,6 +19,7 @@ import hashlib
 import importlib.metadata
 import importlib.util
 import json
+import math
 import os
 import subprocess
 import sys
@@ -37,10 +38,25 @@ WAIT_SECONDS = 300  # a worker still compiling after this is stopped; this proce
 MAX_AUTO_WORKERS = 6
 
 
+CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")  # cgroup v2: "QUOTA PERIOD", or "max PERIOD" without a limit
+
+
+def usable_cpus() -> int:
+    """CPUs this process may use: its CPU set, capped by its cgroup's CPU quota (a container's CPU limit, which
+    leaves the CPU set at the whole node)."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        quota, period = CGROUP_CPU_MAX.read_text().split()
+        if quota != "max":
+            cpus = min(cpus, max(1, math.ceil(int(quota) / int(period))))
+    except (OSError, ValueError):  # no cgroup v2 here
+        pass
+    return cpus
+
+
 def auto_workers() -> int:
-    """Half the cores this process may run on (its CPU set, where the OS has one), at most MAX_AUTO_WORKERS."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 2)
-    return max(1, min(MAX_AUTO_WORKERS, cores // 2))
+    """Half the CPUs this process may use, at most MAX_AUTO_WORKERS."""
+    return max(1, min(MAX_AUTO_WORKERS, usable_cpus() // 2))
 
 
 def cache_dir() -> Path:
