@@ -163,13 +163,13 @@ def load_tokenizer(path: Path):
     """The checkpoint's tokenizer, its class imported by the name tokenizer_config.json gives. AutoTokenizer's
     module imports transformers' model factory, and with it generation, FSDP, torch._dynamo and scikit-learn:
     6.2 of the 8.4 s that `from transformers import AutoTokenizer` took on the H200 machine. Without a class
-    name, or with one transformers does not have, AutoTokenizer picks it."""
+    name, or with one that is not a tokenizer class of this transformers, AutoTokenizer picks it."""
     import transformers
 
     config = path / "tokenizer_config.json"
     name = json.loads(config.read_text()).get("tokenizer_class") if config.exists() else None
     cls = getattr(transformers, name, None) if isinstance(name, str) and name.isidentifier() else None
-    if cls is None or not hasattr(cls, "from_pretrained"):
+    if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedTokenizerBase)):
         from transformers import AutoTokenizer as cls
     return cls.from_pretrained(str(path))
 
