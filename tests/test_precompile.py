@@ -30,15 +30,17 @@ def test_no_workers_off_cuda_or_when_disabled(smollm2_path):
 def test_an_nvidia_gpu_is_told_without_torch(monkeypatch):
     """The engine starts its workers before it imports torch: the GPU check and the marker must not import it."""
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    monkeypatch.setattr(precompile.os.path, "exists", lambda path: path == "/dev/nvidiactl")
-    assert precompile.nvidia_gpu_visible("auto") and precompile.nvidia_gpu_visible("cuda:1")
-    assert not precompile.nvidia_gpu_visible("cpu")
+    for present in precompile.NVIDIA_DRIVER_FILES:
+        monkeypatch.setattr(precompile.os.path, "exists", lambda path: path == present)
+        assert precompile.nvidia_gpu_visible("auto") and precompile.nvidia_gpu_visible("cuda:1")
+        assert not precompile.nvidia_gpu_visible("cpu")
     for hidden in ("", "-1"):
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", hidden)
-        assert not precompile.nvidia_gpu_visible("auto")
+        assert not precompile.nvidia_gpu_visible("auto") and not precompile.nvidia_gpu_visible("cuda")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
     monkeypatch.setattr(precompile.os.path, "exists", lambda path: False)  # no NVIDIA driver
     assert not precompile.nvidia_gpu_visible("auto")
+    assert precompile.nvidia_gpu_visible("cuda")  # asked for by name: a worker finds out, and exits if there is none
 
 
 def test_the_engine_reaches_its_workers_before_torch(smollm2_path):

@@ -91,13 +91,16 @@ def _gpu_models() -> list[str]:
     return sorted(f.read_text().split("\n", 1)[0] for f in Path("/proc/driver/nvidia/gpus").glob("*/information"))
 
 
+NVIDIA_DRIVER_FILES = ("/dev/nvidiactl", "/dev/nvidia0", "/proc/driver/nvidia/gpus")  # any one: a driver and a GPU
+
+
 def nvidia_gpu_visible(device: str) -> bool:
     """Whether the engine is about to run on an NVIDIA GPU, told without importing torch (seconds of import
-    the workers would otherwise wait for): the driver's control device exists and CUDA_VISIBLE_DEVICES does
-    not hide every GPU. A worker that finds no CUDA after all exits at once."""
+    the workers would otherwise wait for): asked for CUDA by name, or else the driver's files are there, and
+    CUDA_VISIBLE_DEVICES does not hide every GPU. A worker that finds no CUDA after all exits at once."""
     if device == "cpu" or os.environ.get("CUDA_VISIBLE_DEVICES", "all").strip() in ("", "-1"):
         return False
-    return os.path.exists("/dev/nvidiactl")
+    return device.startswith("cuda") or any(os.path.exists(f) for f in NVIDIA_DRIVER_FILES)
 
 
 class CompileWorkers:
