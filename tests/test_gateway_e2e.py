@@ -220,7 +220,12 @@ async def test_queue_depth_routing_beats_simple_shuffle(fleet):
             why = await _decisions(gateways["ours"])  # on failure: the router's reasons, by worker
             assert to_idle >= total - ROUNDS, f"queue-depth routing sent {total - to_idle} of {total} to the busy worker: {why}"
     ours, shuffle = measured["ours"], measured["shuffle"]
-    assert pct(ours, 99) < pct(shuffle, 99), f"busy {busy.url}, idle {idle.url}; decisions {why}"
+    # Ours may send up to ROUNDS requests to the busy worker (asserted above), and each of those waits as long
+    # as shuffle's slowest: a p99 of 18 samples is their maximum, which one such request decides (CI saw
+    # 2 of 18 and a lost p99 once). Compare just below that allowance: the 15th fastest of 18. Shuffle sends
+    # 4 or more of 18 to the busy worker 99.6 % of the time, which makes its 15th fastest slow.
+    k = ROUNDS * BURST - ROUNDS
+    assert sorted(ours)[k - 1] < sorted(shuffle)[k - 1], f"busy {busy.url}, idle {idle.url}; decisions {why}"
     assert statistics.mean(ours) < statistics.mean(shuffle)
 
 
