@@ -105,6 +105,19 @@ def test_workers_run_once_then_the_marker_skips_them(smollm2_path, cache, capsys
     other.wait()
 
 
+def test_a_cache_it_cannot_mark_is_not_fatal(smollm2_path, cache, capsys):
+    """A cache folder the marker cannot go into (read-only, filled elsewhere): start-up goes on and says so.
+    A file where the marker's folder should be fails for root too."""
+    mc = load_model_config(smollm2_path)
+    cache.mkdir()
+    (cache / "pagefleet").write_text("not a folder")
+    workers = precompile.CompileWorkers(EngineConfig(model=str(smollm2_path), device="cpu", compile_workers=1), smollm2_path, mc, 256)
+    workers.wait()
+    workers.mark_warm()
+    assert "could not mark the kernel cache warm" in capsys.readouterr().out
+    assert not workers.marker.exists()
+
+
 def test_a_failed_worker_is_reported_not_fatal(smollm2_path, cache, capsys):
     mc = load_model_config(smollm2_path)
     workers = precompile.CompileWorkers(EngineConfig(device="cpu", compile_workers=1), Path("/nonexistent-model"), mc, 256)

@@ -156,8 +156,11 @@ class CompileWorkers:
             new = sorted(_kernel_name(cache_dir() / e) for e in _cache_entries() - self.cached_after_workers)
             print(f"pagefleet: this process compiled {len(new)} kernels the workers had not"
                   f"{': ' + ', '.join(new) if new else ''}", flush=True)
-        self.marker.parent.mkdir(parents=True, exist_ok=True)
-        self.marker.touch()
+        try:
+            self.marker.parent.mkdir(parents=True, exist_ok=True)
+            self.marker.touch()
+        except OSError as e:  # a read-only cache (filled elsewhere) serves as well; the next start tries again
+            print(f"pagefleet: could not mark the kernel cache warm ({e})", flush=True)
 
 
 def _kill(procs: list[subprocess.Popen]) -> None:
