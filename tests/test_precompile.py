@@ -118,6 +118,25 @@ def test_a_cache_it_cannot_mark_is_not_fatal(smollm2_path, cache, capsys):
     assert not workers.marker.exists()
 
 
+def test_a_worker_that_cannot_start_is_not_fatal(smollm2_path, cache, capsys, monkeypatch):
+    real_popen, started = precompile.subprocess.Popen, []
+
+    def popen(*args, **kwargs):
+        if started:
+            raise OSError(11, "Resource temporarily unavailable")
+        started.append(1)
+        return real_popen(*args, **kwargs)
+
+    monkeypatch.setattr(precompile.subprocess, "Popen", popen)
+    mc = load_model_config(smollm2_path)
+    workers = precompile.CompileWorkers(EngineConfig(model=str(smollm2_path), device="cpu", compile_workers=3), smollm2_path, mc, 256)
+    assert len(workers.procs) == 1
+    workers.wait()
+    out = capsys.readouterr().out
+    assert "could not start a compile worker ([Errno 11] Resource temporarily unavailable)" in out
+    assert "1 compile workers done" in out
+
+
 def test_a_failed_worker_is_reported_not_fatal(smollm2_path, cache, capsys):
     mc = load_model_config(smollm2_path)
     workers = precompile.CompileWorkers(EngineConfig(device="cpu", compile_workers=1), Path("/nonexistent-model"), mc, 256)

@@ -119,7 +119,12 @@ class CompileWorkers:
             cmd = [sys.executable, "-m", "pagefleet.worker.precompile", json.dumps(spec | {"share": [i, n]})]
             # run from the temp folder: `-m` puts the working folder on sys.path, and a checkout's top-level
             # operator/ would shadow the standard library's
-            self.procs.append((subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, cwd=tempfile.gettempdir()), log))
+            try:
+                self.procs.append((subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, cwd=tempfile.gettempdir()), log))
+            except OSError as e:  # no process to spare: this process compiles what the others do not
+                print(f"pagefleet: could not start a compile worker ({e})", flush=True)
+                log.close()
+                break
         self.started = time.perf_counter()
         # if start-up fails before wait() (a bad tokenizer, an interrupt), the workers go with this process
         weakref.finalize(self, _kill, [p for p, _ in self.procs])
