@@ -134,7 +134,7 @@ def test_a_worker_that_cannot_start_is_not_fatal(smollm2_path, cache, capsys, mo
     workers.wait()
     out = capsys.readouterr().out
     assert "could not start a compile worker ([Errno 11] Resource temporarily unavailable)" in out
-    assert "1 compile workers done" in out
+    assert "1 compile worker done" in out
 
 
 def test_a_failed_worker_is_reported_not_fatal(smollm2_path, cache, capsys):

@@ -147,7 +147,8 @@ class CompileWorkers:
                 phases.append(lines[-1][len("phases: "):])
             log.close()
         self.cached_after_workers = _cache_entries()
-        print(f"pagefleet: {len(self.procs)} compile workers done in {time.perf_counter() - self.started:.1f}s "
+        n = len(self.procs)
+        print(f"pagefleet: {n} compile worker{'s' if n != 1 else ''} done in {time.perf_counter() - self.started:.1f}s "
               f"({len(self.cached_after_workers)} kernels cached)", flush=True)
         if phases:  # the last one to finish: what the start-up waited for
             print(f"pagefleet: slowest compile worker: {max(phases, key=_all_seconds)}", flush=True)
