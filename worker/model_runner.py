@@ -89,8 +89,8 @@ class ModelRunner:
             from pagefleet.worker.fp8 import quantize_model_fp8
 
             quantize_model_fp8(self.model, self.device)
-        self.load_seconds = time.time() - start
-        self.start_seconds = {"load": self.load_seconds, "workers": 0.0, "warmup": 0.0, "graphs": 0.0}
+        # seconds of each start-up phase, for the engine's start-up line and a compile worker's report
+        self.start_seconds = {"load": time.time() - start, "workers": 0.0, "warmup": 0.0, "graphs": 0.0}
         self.lora = None
         if config.enable_lora:  # before the KV cache is sized, so the budget counts the adapter slots
             from pagefleet.worker.lora import LoRAManager
@@ -110,9 +110,7 @@ class ModelRunner:
         self.kv.bind(self.model)
         self.graphs: DecodeGraphs | None = None  # None: every step eager (--enforce-eager, CPU)
         if self.device.type == "cuda":
-            start = time.time()
             self._warmup(compile_share)
-            self.start_seconds["warmup"] = time.time() - start
             if not config.enforce_eager:
                 self.graphs = DecodeGraphs(self.model, self.device, batch_sizes(config.max_num_seqs), max_model_len,
                                            self.max_blocks_per_seq)
@@ -288,5 +286,6 @@ class ModelRunner:
         ops.argmax(logits)  # greedy rows, in the model's dtype
         ops.argmax(logits.float())  # sampled and penalised rows
         torch.cuda.synchronize()
+        self.start_seconds["warmup"] = time.perf_counter() - start
         # seconds here are mostly compiles: a filled kernel cache (TRITON_CACHE_DIR) makes them short
-        print(f"pagefleet: warmed up {len(cases)} eager step shapes in {time.perf_counter() - start:.1f}s", flush=True)
+        print(f"pagefleet: warmed up {len(cases)} eager step shapes in {self.start_seconds['warmup']:.1f}s", flush=True)
