@@ -166,16 +166,10 @@ def trace(eng):
     eng.recent_steps = collections.deque(maxlen=1 << 20)
     r = run_engine(eng, draw_requests(256, 0, (64, 1024), (32, 512), 128256), warmup=False)
     steps = list(eng.recent_steps)
-    buckets = collections.OrderedDict((k, [0, 0.0, 0, 0]) for k in
-                                      ("prompt", "decode 1-16", "decode 17-32", "decode 33-64", "decode 65-128",
-                                       "decode 129-256", "decode 257-512"))
+    decode_bounds = [(f"decode {lo + 1}-{hi}", hi) for lo, hi in ((0, 16), (16, 32), (32, 64), (64, 128), (128, 256), (256, 512))]
+    buckets = {k: [0, 0.0, 0, 0] for k in ["prompt"] + [name for name, _ in decode_bounds]}
     for s in steps:
-        if s.num_prefill_tokens:
-            key = "prompt"
-        else:
-            key = next(k for k, hi in (("decode 1-16", 16), ("decode 17-32", 32), ("decode 33-64", 64),
-                                        ("decode 65-128", 128), ("decode 129-256", 256), ("decode 257-512", 512))
-                       if s.num_seqs <= hi)
+        key = "prompt" if s.num_prefill_tokens else next(name for name, hi in decode_bounds if s.num_seqs <= hi)
         b = buckets[key]
         b[0] += 1
         b[1] += s.duration_s
