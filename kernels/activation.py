@@ -3,7 +3,16 @@ import torch
 import triton
 import triton.language as tl
 
+from .fp8 import row_scale, to_e4m3_range
 from .reference import FP8_MAX
+
+
+@triton.jit
+def _silu_mul(row, cols, inter):
+    """silu(gate) * up in fp32 for columns `cols` of one token's [gate | up] row (0 past inter)."""
+    gate = tl.load(row + cols, mask=cols < inter, other=0.0).to(tl.float32)
+    up = tl.load(row + inter + cols, mask=cols < inter, other=0.0).to(tl.float32)
+    return gate / (1.0 + tl.exp(-gate)) * up
 
 
 @triton.jit
@@ -11,12 +20,8 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, inter, stride_xt, stride_ot, BLOCK: tl.
     """Program (token, column tile): out = silu(gate) * up, in fp32, rounded once."""
     token, tile = tl.program_id(0), tl.program_id(1)
     cols = tile * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < inter
-    row = x_ptr + token.to(tl.int64) * stride_xt
-    gate = tl.load(row + cols, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(row + inter + cols, mask=mask, other=0.0).to(tl.float32)
-    out = gate / (1.0 + tl.exp(-gate)) * up
-    tl.store(out_ptr + token.to(tl.int64) * stride_ot + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+    out = _silu_mul(x_ptr + token.to(tl.int64) * stride_xt, cols, inter)
+    tl.store(out_ptr + token.to(tl.int64) * stride_ot + cols, out.to(out_ptr.dtype.element_ty), mask=cols < inter)
 
 
 def silu_and_mul(x):
@@ -44,19 +49,14 @@ def _silu_and_mul_fp8_kernel(x_ptr, q_ptr, scale_ptr, inter, stride_xt, stride_q
     row = x_ptr + token * stride_xt
     amax = tl.zeros([BLOCK], dtype=tl.float32)
     for c0 in range(0, inter, BLOCK):
-        cols = c0 + tl.arange(0, BLOCK)
-        gate = tl.load(row + cols, mask=cols < inter, other=0.0).to(tl.float32)
-        up = tl.load(row + inter + cols, mask=cols < inter, other=0.0).to(tl.float32)
-        y = (gate / (1.0 + tl.exp(-gate)) * up).to(x_ptr.dtype.element_ty).to(tl.float32)
+        y = _silu_mul(row, c0 + tl.arange(0, BLOCK), inter).to(x_ptr.dtype.element_ty).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(y))
-    scale = tl.maximum(tl.max(amax, axis=0), 1e-12) / FP8_MAX
+    scale = row_scale(tl.max(amax, axis=0), FP8_MAX)
     tl.store(scale_ptr + token, scale)
     for c0 in range(0, inter, BLOCK):
         cols = c0 + tl.arange(0, BLOCK)
-        gate = tl.load(row + cols, mask=cols < inter, other=0.0).to(tl.float32)
-        up = tl.load(row + inter + cols, mask=cols < inter, other=0.0).to(tl.float32)
-        y = (gate / (1.0 + tl.exp(-gate)) * up).to(x_ptr.dtype.element_ty).to(tl.float32)
-        q = tl.minimum(tl.maximum(y / scale, -FP8_MAX), FP8_MAX)
+        y = _silu_mul(row, cols, inter).to(x_ptr.dtype.element_ty).to(tl.float32)
+        q = to_e4m3_range(y, scale, FP8_MAX)
         tl.store(q_ptr + token * stride_qt + cols, q.to(q_ptr.dtype.element_ty), mask=cols < inter)
 
 

@@ -11,6 +11,18 @@ from .reference import FP8_MAX, quantize_weight_fp8  # noqa: F401  (re-exported)
 
 
 @triton.jit
+def row_scale(amax, FP8_MAX: tl.constexpr):
+    """A row's e4m3 scale from its max |value| (as reference.quantize_fp8_per_token: at least 1e-12 / 448)."""
+    return tl.maximum(amax, 1e-12) / FP8_MAX
+
+
+@triton.jit
+def to_e4m3_range(y, scale, FP8_MAX: tl.constexpr):
+    """y / scale, clamped to e4m3's finite range, ready for the store's cast."""
+    return tl.minimum(tl.maximum(y / scale, -FP8_MAX), FP8_MAX)
+
+
+@triton.jit
 def _quant_per_token_kernel(x_ptr, q_ptr, scale_ptr, K, stride_xm, stride_qm, FP8_MAX: tl.constexpr,
                             BLOCK: tl.constexpr):
     """Program per row: pass 1 finds max|x|, pass 2 writes x / scale as e4m3 (the row stays in L1/L2)."""
@@ -20,12 +32,12 @@ def _quant_per_token_kernel(x_ptr, q_ptr, scale_ptr, K, stride_xm, stride_qm, FP
         cols = k0 + tl.arange(0, BLOCK)
         x = tl.load(x_ptr + row * stride_xm + cols, mask=cols < K, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(x))
-    scale = tl.maximum(tl.max(amax, axis=0), 1e-12) / FP8_MAX
+    scale = row_scale(tl.max(amax, axis=0), FP8_MAX)
     tl.store(scale_ptr + row, scale)
     for k0 in range(0, K, BLOCK):
         cols = k0 + tl.arange(0, BLOCK)
         x = tl.load(x_ptr + row * stride_xm + cols, mask=cols < K, other=0.0).to(tl.float32)
-        y = tl.minimum(tl.maximum(x / scale, -FP8_MAX), FP8_MAX)
+        y = to_e4m3_range(x, scale, FP8_MAX)
         tl.store(q_ptr + row * stride_qm + cols, y.to(q_ptr.dtype.element_ty), mask=cols < K)
 
 

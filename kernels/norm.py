@@ -4,6 +4,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .fp8 import row_scale, to_e4m3_range
 from .reference import FP8_MAX
 
 
@@ -37,8 +38,8 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, scale_ptr, n_r
     y = (w[None, :] * h).to(dtype)
     if FP8:
         y = y.to(tl.float32)
-        scale = tl.maximum(tl.max(tl.abs(y), axis=1), 1e-12) / FP8_MAX  # padding lanes and rows hold 0
-        q = tl.minimum(tl.maximum(y / scale[:, None], -FP8_MAX), FP8_MAX)
+        scale = row_scale(tl.max(tl.abs(y), axis=1), FP8_MAX)  # padding lanes and rows hold 0
+        q = to_e4m3_range(y, scale[:, None], FP8_MAX)
         tl.store(out_ptr + out_offs, q.to(out_ptr.dtype.element_ty), mask=mask)
         tl.store(scale_ptr + rows, scale, mask=rows < n_rows)
     else:
