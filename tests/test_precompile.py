@@ -1,7 +1,6 @@
 """Compile workers (worker/precompile.py): the process mechanics on CPU, where a worker builds its twin
 and has no kernels to compile. tests/test_engine_gpu.py checks on CUDA that they compile what start-up needs."""
 
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +16,18 @@ from pagefleet.worker.loader import load_model_config
 def cache(tmp_path, monkeypatch):
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
     return tmp_path / "triton"
+
+
+def cpu_workers(model_path, workers: int, **settings):
+    """CompileWorkers of the model at model_path on CPU (max_model_len 256)."""
+    config = EngineConfig(model=str(model_path), device="cpu", compile_workers=workers, **settings)
+    return precompile.CompileWorkers(config, model_path, load_model_config(model_path), 256)
+
+
+def run_worker(config, model_path, cwd):
+    """One worker as CompileWorkers starts it (share 0 of 1)."""
+    cmd = precompile.worker_command(config, model_path, 128, (0, 1))
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=cwd)
 
 
 def test_no_workers_off_cuda_or_when_disabled(smollm2_path):
@@ -59,10 +70,7 @@ def test_the_engine_reaches_its_workers_before_torch(smollm2_path):
 def test_a_worker_without_cuda_exits_at_once(smollm2_path, tmp_path):
     if __import__("torch").cuda.is_available():
         pytest.skip("this machine has CUDA: a worker would compile")
-    spec = {"config": __import__("dataclasses").asdict(EngineConfig(model=str(smollm2_path))), "model": str(smollm2_path),
-            "max_model_len": 128, "share": [0, 1]}
-    done = subprocess.run([sys.executable, "-m", "pagefleet.worker.precompile", json.dumps(spec)], capture_output=True, text=True,
-                          timeout=120, cwd=tmp_path)
+    done = run_worker(EngineConfig(model=str(smollm2_path)), smollm2_path, tmp_path)
     assert done.returncode == 0 and done.stderr.strip().splitlines()[-1] == "phases: no CUDA here, all 0.0s", done.stderr[-2000:]
 
 
@@ -80,16 +88,13 @@ def test_the_default_count_follows_the_container_cpu_limit(tmp_path, monkeypatch
 def test_a_worker_builds_its_twin_from_the_engine_settings(smollm2_path, tmp_path):
     """The command line a worker gets: every EngineConfig field through JSON, a two-layer random twin, its share."""
     config = EngineConfig(model=str(smollm2_path), device="cpu", max_num_seqs=8, enable_prefix_caching=False)
-    spec = {"config": __import__("dataclasses").asdict(config), "model": str(smollm2_path), "max_model_len": 128, "share": [1, 2]}
-    done = subprocess.run([sys.executable, "-m", "pagefleet.worker.precompile", json.dumps(spec)], capture_output=True, text=True,
-                          timeout=120, cwd=tmp_path)
+    done = run_worker(config, smollm2_path, tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stderr.strip().splitlines()[-1].startswith("phases: imports ")
 
 
 def test_workers_run_once_then_the_marker_skips_them(smollm2_path, cache, capsys):
-    mc = load_model_config(smollm2_path)
-    config = EngineConfig(model=str(smollm2_path), device="cpu", compile_workers=2)
-    workers = precompile.CompileWorkers(config, smollm2_path, mc, 256)
+    workers = cpu_workers(smollm2_path, 2)
     assert len(workers.procs) == 2
     workers.wait()
     workers.mark_warm()
@@ -97,10 +102,9 @@ def test_workers_run_once_then_the_marker_skips_them(smollm2_path, cache, capsys
     assert "2 compile workers done" in out and "failed" not in out
     assert "this process compiled 0 kernels" in out
     assert workers.marker.exists() and workers.marker.parent.parent == cache
-    assert precompile.CompileWorkers(config, smollm2_path, mc, 256).procs == []  # warm: none started
+    assert cpu_workers(smollm2_path, 2).procs == []  # warm: none started
     # other settings are another marker: workers again
-    other = precompile.CompileWorkers(EngineConfig(model=str(smollm2_path), device="cpu", compile_workers=1, max_num_seqs=8),
-                                      smollm2_path, mc, 256)
+    other = cpu_workers(smollm2_path, 1, max_num_seqs=8)
     assert len(other.procs) == 1 and other.marker != workers.marker
     other.wait()
 
@@ -108,10 +112,9 @@ def test_workers_run_once_then_the_marker_skips_them(smollm2_path, cache, capsys
 def test_a_cache_it_cannot_mark_is_not_fatal(smollm2_path, cache, capsys):
     """A cache folder the marker cannot go into (read-only, filled elsewhere): start-up goes on and says so.
     A file where the marker's folder should be fails for root too."""
-    mc = load_model_config(smollm2_path)
     cache.mkdir()
     (cache / "pagefleet").write_text("not a folder")
-    workers = precompile.CompileWorkers(EngineConfig(model=str(smollm2_path), device="cpu", compile_workers=1), smollm2_path, mc, 256)
+    workers = cpu_workers(smollm2_path, 1)
     workers.wait()
     workers.mark_warm()
     assert "could not mark the kernel cache warm" in capsys.readouterr().out
@@ -128,8 +131,7 @@ def test_a_worker_that_cannot_start_is_not_fatal(smollm2_path, cache, capsys, mo
         return real_popen(*args, **kwargs)
 
     monkeypatch.setattr(precompile.subprocess, "Popen", popen)
-    mc = load_model_config(smollm2_path)
-    workers = precompile.CompileWorkers(EngineConfig(model=str(smollm2_path), device="cpu", compile_workers=3), smollm2_path, mc, 256)
+    workers = cpu_workers(smollm2_path, 3)
     assert len(workers.procs) == 1
     workers.wait()
     out = capsys.readouterr().out

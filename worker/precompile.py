@@ -112,11 +112,10 @@ class CompileWorkers:
         self.cached_after_workers: set[str] | None = None  # the cache's entries when the workers were done
         if self.marker.exists():
             return
-        spec = {"config": dataclasses.asdict(config), "model": str(Path(model_path).resolve()), "max_model_len": max_model_len}
         n = auto_workers() if config.compile_workers is None else config.compile_workers
         for i in range(n):
             log = tempfile.TemporaryFile()
-            cmd = [sys.executable, "-m", "pagefleet.worker.precompile", json.dumps(spec | {"share": [i, n]})]
+            cmd = worker_command(config, model_path, max_model_len, (i, n))
             # run from the temp folder: `-m` puts the working folder on sys.path, and a checkout's top-level
             # operator/ would shadow the standard library's
             try:
@@ -167,6 +166,13 @@ class CompileWorkers:
             self.marker.touch()
         except OSError as e:  # a read-only cache (filled elsewhere) serves as well; the next start tries again
             print(f"pagefleet: could not mark the kernel cache warm ({e})", flush=True)
+
+
+def worker_command(config: EngineConfig, model_path: Path, max_model_len: int, share: tuple[int, int]) -> list[str]:
+    """The command line of worker share[0] of share[1]: the engine's settings as JSON, read back by _work."""
+    spec = {"config": dataclasses.asdict(config), "model": str(Path(model_path).resolve()), "max_model_len": max_model_len,
+            "share": list(share)}
+    return [sys.executable, "-m", "pagefleet.worker.precompile", json.dumps(spec)]
 
 
 def _kill(procs: list[subprocess.Popen]) -> None:
