@@ -38,6 +38,12 @@ def test_no_workers_off_cuda_or_when_disabled(smollm2_path):
         EngineConfig(compile_workers=-1).validate()
 
 
+def test_a_negative_worker_count_is_refused_at_the_command_line(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "pagefleet", "serve", "--compile-workers", "-1"], capture_output=True,
+                          text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == 2 and "compile_workers must be >= 0, got -1" in done.stdout + done.stderr
+
+
 def test_an_nvidia_gpu_is_told_without_torch(monkeypatch):
     """The engine starts its workers before it imports torch: the GPU check and the marker must not import it."""
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
