@@ -136,7 +136,12 @@ def drain(eng):
 def prefill(eng):
     rng = random.Random(0)
     rows = {}
-    for budget in (564, 8192, 16384):  # one prompt (concurrency 1's TTFT), then full token budgets
+    model = eng.runner.model
+    # FP8: each step with the norms and activation quantising for the GEMMs (fused) and without, side by side
+    variants = (True, False) if model.fp8_weights else (None,)
+    for budget, fused in ((b, f) for b in (564, 8192, 16384) for f in variants):  # one prompt (concurrency 1's TTFT), then full budgets
+        if fused is not None:
+            model.fuse_fp8_quantisation = fused
         n = min(budget, eng.config.max_num_batched_tokens) // 564
 
         def one_prompt_step():  # fresh random prompts each time: no prefix-cache hits
@@ -149,12 +154,15 @@ def prefill(eng):
         r = profile_runs(one_prompt_step, 3)
         r["tokens"] = n * 564
         r["us_per_token"] = r["wall_us"] / r["tokens"]
-        rows[str(budget)] = r
+        label = str(budget) if fused is None else f"{budget}_{'fused' if fused else 'unfused'}"
+        rows[label] = r
         kinds = ", ".join(f"{k} {v / 1e3:.1f}" for k, v in sorted(r["by_kind"].items(), key=lambda kv: -kv[1]))
-        print(f"prompt step of {r['tokens']} tokens: wall {r['wall_us'] / 1e3:.1f} ms ({r['us_per_token']:.2f} us/token), "
+        print(f"prompt step of {r['tokens']} tokens{'' if fused is None else (' fused' if fused else ' unfused')}: wall {r['wall_us'] / 1e3:.1f} ms ({r['us_per_token']:.2f} us/token), "
               f"kernels {r['kernel_us'] / 1e3:.1f} ms ({kinds})", flush=True)
         for us, count, name in r["top"][:12]:
             print(f"    {us / 1e3:8.2f} ms  x{count:<4d} {name}", flush=True)
+    if model.fp8_weights:
+        del model.fuse_fp8_quantisation  # back to the class default
     RESULTS["prefill"] = rows
     save()
 
