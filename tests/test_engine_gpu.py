@@ -3,6 +3,8 @@
 benchmarks/gpu_bench.py runs the same comparison on 8B-shaped checkpoints; this is the small, quick one.
 """
 
+import re
+
 import pytest
 import torch
 
@@ -161,5 +163,6 @@ def test_compile_workers_fill_the_cache(tiny_models, tmp_path, monkeypatch, caps
     del llm
     forget_compiled_kernels()
     again = LLM(str(tiny_models["llama"]), compile_workers=3, **settings)
-    assert "compile worker" not in capsys.readouterr().out  # none started
+    out = capsys.readouterr().out  # none started (the engine's phase line still says "compile workers 0.0s")
+    assert not re.search(r"compile workers? (done|failed)|slowest compile worker|could not start a compile worker", out), out
     assert [o.outputs[0].token_ids for o in again.generate(PROMPTS, params)] == first
