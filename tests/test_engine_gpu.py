@@ -104,6 +104,24 @@ def test_fp8_logprobs_near_transformers(tiny_models, arch):
     assert error <= max(16 * hf_error, 0.1), (error, hf_error)
 
 
+def test_fp8_quantised_rows_change_nothing(tiny_models):
+    """FP8 prompt steps with the norms and SiLU*mul quantising for the e4m3 GEMMs (ops.Fp8Rows) give bit for
+    bit the tokens and logprobs of each GEMM quantising its own input."""
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 needs Ada or Hopper")
+    llm = LLM(str(tiny_models["llama"]), dtype="bfloat16", quantization="fp8", max_model_len=512, max_num_batched_tokens=64,
+              max_num_seqs=8, gpu_memory_fraction=0.2, enable_prefix_caching=False)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=0)
+
+    def run():
+        outs = [o.outputs[0] for o in llm.generate(PROMPTS, params)]
+        return [o.token_ids for o in outs], [[t.logprob for t in o.logprobs] for o in outs]
+
+    fused = run()
+    llm.engine.runner.model.fuse_fp8_quantisation = False
+    assert run() == fused
+
+
 @pytest.mark.parametrize("quantization", [None, "fp8"])
 def test_no_kernel_compiles_after_start_up(tiny_models, monkeypatch, quantization):
     """Triton compiles a kernel variant for each class of int divisibility and pointer alignment it meets,

@@ -5,6 +5,8 @@ One switch, chosen once per process: `use_triton(True/False)`; the model runner 
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -51,10 +53,23 @@ def _skinny(x, weight, weight_scale=None) -> bool:
     return skinny_rows(x, weight_scale is not None) and (weight.dtype == x.dtype or weight_scale is not None)
 
 
+class Fp8Rows(NamedTuple):
+    """Token rows the kernel before an FP8 GEMM already quantised per token (e4m3 q [T, K], fp32 scale [T, 1]):
+    what a norm or the activation hands the next e4m3 linear in place of bf16 rows. dtype: the rows' own
+    dtype, which the GEMM writes."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    dtype: torch.dtype
+
+
 def linear(x, weight, bias=None, out=None, weight_scale=None):
     """weight_scale [N] fp32: weight is e4m3 (worker/fp8.py). A decode graph's few rows then read it through our
     GEMV unquantised (weight-only FP8, half the bytes of bf16); other calls quantise x per token for
-    torch._scaled_mm (kernels/fp8.py)."""
+    torch._scaled_mm (kernels/fp8.py), unless x is Fp8Rows, quantised already."""
+    if isinstance(x, Fp8Rows):
+        y = (_triton["fp8"] if _triton else ref).fp8_gemm(x.q, x.scale, weight, weight_scale, bias, out_dtype=x.dtype)
+        return y if out is None else out.copy_(y)
     if _skinny(x, weight, weight_scale):
         return _triton["gemv"].skinny_matmul(x, weight, bias, out=out, weight_scale=weight_scale)
     if weight_scale is not None:
@@ -113,6 +128,21 @@ def fused_add_rms_norm(x, residual, weight, eps):
 
 def silu_and_mul(x):
     return _triton["activation"].silu_and_mul(x) if _triton else ref.silu_and_mul(x)
+
+
+# The same three, quantised per token for the FP8 GEMM after them: one kernel instead of two, and no bf16
+# round trip of the rows through memory.
+def rms_norm_fp8(x, weight, eps) -> Fp8Rows:
+    return Fp8Rows(*(_triton["norm"] if _triton else ref).rms_norm_fp8(x, weight, eps), x.dtype)
+
+
+def fused_add_rms_norm_fp8(x, residual, weight, eps) -> tuple[Fp8Rows, torch.Tensor]:
+    q, scale, new_residual = (_triton["norm"] if _triton else ref).fused_add_rms_norm_fp8(x, residual, weight, eps)
+    return Fp8Rows(q, scale, x.dtype), new_residual
+
+
+def silu_and_mul_fp8(x) -> Fp8Rows:
+    return Fp8Rows(*(_triton["activation"] if _triton else ref).silu_and_mul_fp8(x), x.dtype)
 
 
 def apply_rope(q, k, positions, cos_sin_cache):

@@ -22,9 +22,12 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, fp8: bool = False):
+        """fp8: the output goes to an e4m3 GEMM; hand it over quantised (ops.Fp8Rows)."""
         if residual is None:
-            return ops.rms_norm(x, self.weight, self.eps)
+            return ops.rms_norm_fp8(x, self.weight, self.eps) if fp8 else ops.rms_norm(x, self.weight, self.eps)
+        if fp8:
+            return ops.fused_add_rms_norm_fp8(x, residual, self.weight, self.eps)
         return ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
 
 
@@ -71,8 +74,10 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, fp8_rows: bool = False) -> torch.Tensor:
         gate_up = self.gate_up_proj
+        if fp8_rows:  # x came quantised; so does the activation's output, for down's FP8 GEMM
+            return self.down_proj(ops.silu_and_mul_fp8(gate_up(x)))
         if gate_up.lora is None:  # no adapter: the activation can fuse into the decode GEMV
             return self.down_proj(ops.linear_silu_and_mul(x, gate_up.weight, gate_up.bias, weight_scale=gate_up.weight_scale))
         return self.down_proj(ops.silu_and_mul(gate_up(x)))
@@ -86,15 +91,16 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, positions, hidden, residual, cos_sin_cache):
+    def forward(self, positions, hidden, residual, cos_sin_cache, fp8_rows: bool = False):
+        """fp8_rows: the linears are e4m3 GEMMs; the norms and the activation quantise their outputs for them."""
         if residual is None:
             residual = hidden
-            hidden = self.input_layernorm(hidden)
+            hidden = self.input_layernorm(hidden, fp8=fp8_rows)
         else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+            hidden, residual = self.input_layernorm(hidden, residual, fp8=fp8_rows)
         hidden = self.self_attn(positions, hidden, cos_sin_cache)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        hidden, residual = self.post_attention_layernorm(hidden, residual, fp8=fp8_rows)
+        return self.mlp(hidden, fp8_rows), residual
 
     def forward_folded(self, positions, residual, sumsq, cos_sin_cache):
         """This layer with its norms folded (LlamaForCausalLM.fold_norms) and no norm launches: the stream
@@ -134,6 +140,7 @@ class LlamaForCausalLM(nn.Module):
     qk_norm = False
     norms_folded = False  # fold_norms() ran
     fp8_weights = False  # worker/fp8.py made the decoder linears e4m3
+    fuse_fp8_quantisation = True  # norms and activation quantise for the e4m3 GEMMs after them (False: the GEMMs do)
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -149,8 +156,10 @@ class LlamaForCausalLM(nn.Module):
         if self.norms_folded and ops.skinny_rows(hidden, self.fp8_weights):
             return self.forward_folded(hidden, positions)
         residual = None
+        # e4m3 linears that are GEMMs here (not the decode GEMV): rows reach them quantised by the kernel before
+        fp8_rows = self.fp8_weights and self.fuse_fp8_quantisation and not ops.skinny_rows(hidden, True)
         for layer in self.model.layers:
-            hidden, residual = layer(positions, hidden, residual, self.cos_sin_cache)
+            hidden, residual = layer(positions, hidden, residual, self.cos_sin_cache, fp8_rows)
         hidden, _ = self.model.norm(hidden, residual)
         return hidden
 
