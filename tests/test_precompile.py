@@ -115,6 +115,24 @@ def test_workers_run_once_then_the_marker_skips_them(smollm2_path, cache, capsys
     other.wait()
 
 
+def test_the_marker_follows_the_worker_sources_too(smollm2_path, cache, tmp_path, monkeypatch):
+    """A change to the engine's code (its warm-up steps, graph sizes, model calls) can need kernel variants
+    the cache lacks, as much as a change to the kernels: either makes a new marker, and workers run again."""
+    kernels, worker = tmp_path / "kernels", tmp_path / "worker" / "models"
+    for folder in (kernels, worker):
+        folder.mkdir(parents=True)
+        (folder / "a.py").write_text("x = 1\n")
+    monkeypatch.setattr(precompile, "source_folders", lambda: [kernels, worker.parent])
+    config, mc = EngineConfig(), load_model_config(smollm2_path)
+    first = precompile.warm_marker(config, mc, 256)
+    assert precompile.warm_marker(config, mc, 256) == first
+    (worker / "a.py").write_text("x = 2\n")  # a module in a subfolder (worker/models)
+    second = precompile.warm_marker(config, mc, 256)
+    assert second != first
+    (kernels / "a.py").write_text("x = 2\n")
+    assert precompile.warm_marker(config, mc, 256) not in (first, second)
+
+
 def test_a_cache_it_cannot_mark_is_not_fatal(smollm2_path, cache, capsys):
     """A cache folder the marker cannot go into (read-only, filled elsewhere): start-up goes on and says so.
     A file where the marker's folder should be fails for root too."""

@@ -65,18 +65,24 @@ def cache_dir() -> Path:
 
 
 def warm_marker(config: EngineConfig, model_config: ModelConfig, max_model_len: int) -> Path:
-    """The marker file of a finished start-up with these kernel sources, versions, GPUs, shapes and settings.
-    Told without importing torch or Triton: the workers start before this process imports them."""
-    kernels = Path(importlib.util.find_spec("pagefleet.kernels").submodule_search_locations[0])
+    """The marker file of a finished start-up with these sources, versions, GPUs, shapes and settings.
+    Told without importing torch or Triton: the workers start before this process imports them.
+    The worker's sources count as well as the kernels': which variants a start-up launches is decided
+    there too (warm-up steps, graph sizes, the model's calls)."""
     h = hashlib.sha256()
-    for f in sorted(kernels.glob("*.py")):
-        h.update(f.read_bytes())
+    for folder in source_folders():
+        for f in sorted(folder.rglob("*.py")):
+            h.update(f.read_bytes())
     shape = dataclasses.asdict(model_config) | {"num_hidden_layers": 0, "eos_token_ids": []}
     settings = {k: getattr(config, k) for k in ("dtype", "max_num_seqs", "max_num_batched_tokens", "block_size", "enforce_eager",
                                                  "quantization", "enable_lora", "max_loras", "max_lora_rank")}
     h.update(json.dumps([shape, settings, max_model_len, _version("torch"), _version("triton"), _gpu_models()],
                         sort_keys=True, default=str).encode())
     return cache_dir() / "pagefleet" / f"warm-{h.hexdigest()[:24]}"
+
+
+def source_folders() -> list[Path]:
+    return [Path(importlib.util.find_spec(p).submodule_search_locations[0]) for p in ("pagefleet.kernels", "pagefleet.worker")]
 
 
 def _version(package: str) -> str:
