@@ -6,15 +6,30 @@ right (the same trick vLLM and TGI use); a stop string is searched only where ne
 
 from __future__ import annotations
 
+from typing import Callable
+
 from pagefleet.worker.sequence import Sequence
 
+Decode = Callable[[list[int], bool], str]  # (token ids, skip special tokens) -> text
 
-def update_text(tokenizer, seq: Sequence) -> str:
+
+def text_decoder(tokenizer) -> Decode:
+    """tokenizer.decode, or straight the Rust tokenizer's decode where that is all tokenizer.decode would run
+    (a fast tokenizer that cleans up no spaces). update_text took 1.7 against 5.4 us a token on the CPU machine
+    (SmolLM2's tokenizer; 1.3 against 4.7 with the benchmarks' word-level one), paid for every sequence in
+    every step, in the engine's thread: at 64 streams about 0.2 ms of each step."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return lambda ids, skip: tokenizer.decode(ids, skip_special_tokens=skip)
+    return lambda ids, skip: backend.decode(ids, skip_special_tokens=skip)
+
+
+def update_text(decode: Decode, seq: Sequence) -> str:
     """Append the text of the new tokens to seq.text; returns the new piece."""
     skip = seq.params.skip_special_tokens
     ids = seq.token_ids
-    prefix_text = tokenizer.decode(ids[seq.prefix_offset : seq.read_offset], skip_special_tokens=skip)
-    new_text = tokenizer.decode(ids[seq.prefix_offset :], skip_special_tokens=skip)
+    prefix_text = decode(ids[seq.prefix_offset : seq.read_offset], skip)
+    new_text = decode(ids[seq.prefix_offset :], skip)
     if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
         return ""  # an incomplete UTF-8 character: wait for the next token
     piece = new_text[len(prefix_text) :]

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pagefleet.worker import engine_stats, precompile
 from pagefleet.worker.block_manager import BlockManager
 from pagefleet.worker.config import EngineConfig
-from pagefleet.worker.detokenizer import find_stop, update_text, visible_text
+from pagefleet.worker.detokenizer import find_stop, text_decoder, update_text, visible_text
 from pagefleet.worker.engine_stats import EngineStats, StepRecord
 from pagefleet.worker.loader import load_model_config, load_tokenizer, resolve_model_path
 from pagefleet.worker.outputs import CompletionOutput, RequestOutput
@@ -46,6 +46,7 @@ class LLMEngine(OverlappedSteps):
 
         tokenizer_start = time.perf_counter()
         self.tokenizer = load_tokenizer(self.model_path)
+        self.decode = text_decoder(self.tokenizer)
         tokenizer_seconds = time.perf_counter() - tokenizer_start
         self.runner = ModelRunner(config, self.model_config, self.model_path, self.max_model_len, compile_workers)
         if self.runner.device.type == "cuda":
@@ -198,7 +199,7 @@ class LLMEngine(OverlappedSteps):
             seq.logprobs.append(logprob)
         p = seq.params
         if p.detokenize:
-            piece = update_text(self.tokenizer, seq)
+            piece = update_text(self.decode, seq)
             stop = find_stop(seq, piece) if p.stop else None
         else:
             stop = None

@@ -1,0 +1,55 @@
+"""Incremental detokenisation (worker/detokenizer.py): the Rust tokenizer's decode, taken where it gives what
+tokenizer.decode gives, and the text built token by token equal to one decode of the whole."""
+
+import pytest
+
+from pagefleet.worker.detokenizer import text_decoder, update_text
+from pagefleet.worker.loader import load_tokenizer
+from pagefleet.worker.sampling import SamplingParams
+from pagefleet.worker.sequence import Sequence
+
+TEXT = "Hello , world . Ünïcödé ✓ 日本語 🚀  two  spaces\nnew line"
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_path):
+    return load_tokenizer(smollm2_path)
+
+
+def chat_ids(tokenizer):
+    chat = [{"role": "user", "content": TEXT}, {"role": "assistant", "content": TEXT}]
+    return tokenizer.apply_chat_template(chat, tokenize=True, return_dict=True)["input_ids"]
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_the_fast_decoder_gives_what_tokenizer_decode_gives(tokenizer, skip):
+    decode = text_decoder(tokenizer)
+    ids = chat_ids(tokenizer)  # special tokens included
+    for a in range(0, len(ids), 7):
+        for b in range(a, len(ids) + 1, 5):
+            assert decode(ids[a:b], skip) == tokenizer.decode(ids[a:b], skip_special_tokens=skip)
+
+
+def test_tokenizers_that_clean_up_spaces_or_are_not_fast_keep_their_own_decode(tokenizer, monkeypatch):
+    calls = []
+    real = tokenizer.decode
+    monkeypatch.setattr(tokenizer, "decode", lambda ids, **kw: calls.append(ids) or real(ids, **kw))
+    assert text_decoder(tokenizer)([1, 2], True) == real([1, 2], skip_special_tokens=True) and calls == []
+    monkeypatch.setattr(tokenizer, "clean_up_tokenization_spaces", True)
+    assert text_decoder(tokenizer)([1, 2], True) == real([1, 2], skip_special_tokens=True) and calls == [[1, 2]]
+
+    class Slow:  # a tokenizer without a Rust backend
+        def decode(self, ids, skip_special_tokens):
+            return "|".join(map(str, ids))
+
+    assert text_decoder(Slow())([3, 4], True) == "3|4"
+
+
+def test_text_built_token_by_token_equals_one_decode(tokenizer):
+    ids = tokenizer.encode(TEXT, add_special_tokens=False)
+    seq = Sequence("r", 0, [], 0, SamplingParams(), None)
+    decode = text_decoder(tokenizer)
+    for token in ids:  # multi-byte characters span tokens: a piece waits until they are whole
+        seq.token_ids.append(token)
+        update_text(decode, seq)
+    assert seq.text == tokenizer.decode(ids, skip_special_tokens=True)
