@@ -5,8 +5,9 @@ step arrays, sampling, appending tokens, detokenising, outputs) must stay well u
 runs a tiny model's engine with the forward replaced by ready logits (greedy onto a word token, so text
 grows as in real output) over N sequences, and prints ms per step with the text decoded through
 tokenizer.decode and through the Rust tokenizer directly (worker/detokenizer.py), alternating, each in a
-fresh engine.
-Usage: python benchmarks/host_step_bench.py [sequences] [steps]
+fresh engine. With `special`, greedy lands on a special token instead (EOS after EOS under ignore_eos):
+text stops growing, and the old decoder's windows grew by a token a step.
+Usage: python benchmarks/host_step_bench.py [sequences] [steps] [special]
 """
 
 import sys
@@ -19,6 +20,7 @@ import torch
 from pagefleet.worker import SamplingParams
 from pagefleet.worker.bench_serve import write_word_tokenizer
 from pagefleet.worker.config import EngineConfig
+from pagefleet.worker.detokenizer import TextDecoder
 from pagefleet.worker.engine import LLMEngine
 
 VOCAB = 2048
@@ -35,14 +37,14 @@ def tiny_model(folder: Path) -> str:
     return str(folder)
 
 
-def ms_per_step(model: str, seqs: int, steps: int, decoder: str) -> float:
+def ms_per_step(model: str, seqs: int, steps: int, decoder: str, token: int) -> float:
     eng = LLMEngine(EngineConfig(model=model, device="cpu", max_model_len=2048, max_num_seqs=256,
                                  max_num_batched_tokens=8192, kv_cache_memory_bytes=2**28))
     eng.emit_partial = True  # the server streams every token
     if decoder == "tokenizer.decode":
-        eng.decode = lambda ids, skip: eng.tokenizer.decode(ids, skip_special_tokens=skip)
+        eng.text_decoder = TextDecoder(lambda ids, skip: eng.tokenizer.decode(ids, skip_special_tokens=skip))
     logits = torch.zeros(256, VOCAB)
-    logits[:, 5] = 1.0  # the word "t5": a special token would decode to nothing
+    logits[:, token] = 1.0
     runner = eng.runner
 
     def ready_logits(batch, feed=None):
@@ -63,13 +65,16 @@ def ms_per_step(model: str, seqs: int, steps: int, decoder: str) -> float:
 def main():
     seqs = int(sys.argv[1]) if len(sys.argv) > 1 else 64
     steps = int(sys.argv[2]) if len(sys.argv) > 2 else 300
+    special = len(sys.argv) > 3 and sys.argv[3] == "special"
+    token = 0 if special else 5  # "t0" is the word tokenizer's special token; "t5" a word
     model = tiny_model(Path(tempfile.gettempdir()) / "pagefleet-host-step-model")
     rows = {"tokenizer.decode": [], "Rust tokenizer": []}
     for turn in range(3):
         for decoder in rows:
-            rows[decoder].append(ms_per_step(model, seqs, steps, decoder))
+            rows[decoder].append(ms_per_step(model, seqs, steps, decoder, token))
             print(f"turn {turn + 1}, {decoder}: {rows[decoder][-1]:.3f} ms a step", flush=True)
-    print(f"\n| text decoded through | ms per step, {seqs} sequences (3 turns) |\n|---|---|")
+    what = "a special token" if special else "a word"
+    print(f"\n| text decoded through | ms per step, {seqs} sequences, greedy onto {what} (3 turns) |\n|---|---|")
     for decoder, ms in rows.items():
         print(f"| {decoder} | {', '.join(f'{x:.3f}' for x in ms)} |")
 

@@ -46,7 +46,7 @@ class LLMEngine(OverlappedSteps):
 
         tokenizer_start = time.perf_counter()
         self.tokenizer = load_tokenizer(self.model_path)
-        self.decode = text_decoder(self.tokenizer)
+        self.text_decoder = text_decoder(self.tokenizer)
         tokenizer_seconds = time.perf_counter() - tokenizer_start
         self.runner = ModelRunner(config, self.model_config, self.model_path, self.max_model_len, compile_workers)
         if self.runner.device.type == "cuda":
@@ -199,7 +199,7 @@ class LLMEngine(OverlappedSteps):
             seq.logprobs.append(logprob)
         p = seq.params
         if p.detokenize:
-            piece = update_text(self.decode, seq)
+            piece = update_text(self.text_decoder, seq)
             stop = find_stop(seq, piece) if p.stop else None
         else:
             stop = None
