@@ -8,8 +8,8 @@ before this process imports torch; meanwhile it imports, reads the tokenizer and
 own warm-up then finds the variants on disk. The workers exit before this process sizes its KV cache from
 free memory.
 
-A marker in the cache folder records a start-up that finished with these kernels and settings, so a warm
-cache (a restart on the same node: the operator's kernel-cache volume) starts no workers.
+A marker in the cache folder records a start-up that finished with these kernel and engine sources and
+settings, so a warm cache (a restart on the same node: the operator's kernel-cache volume) starts no workers.
 """
 
 from __future__ import annotations
