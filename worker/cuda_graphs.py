@@ -49,6 +49,7 @@ class DecodeGraphs:
         self.cu_seqlens_q = torch.arange(m + 1, dtype=torch.int32, device=device)
         self.logits = torch.empty(m, model.lm_head.weight.shape[0], dtype=model.lm_head.weight.dtype, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.pool = None  # the graphs' memory pool, which the prompt graphs share (one graph runs at a time)
         self.capture_seconds = 0.0
 
     @torch.inference_mode()
@@ -71,6 +72,7 @@ class DecodeGraphs:
             pool = graph.pool() if pool is None else pool
             self.graphs[bs] = graph
             set_attention_metadata(None)
+        self.pool = pool
         torch.cuda.synchronize()
         self.capture_seconds = time.time() - start
         print(f"pagefleet: captured {len(self.sizes)} decode CUDA graphs (batch 1..{self.max_batch}) in "

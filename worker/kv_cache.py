@@ -7,6 +7,7 @@ import torch
 from pagefleet.worker.attention import AttentionMetadata, set_attention_metadata
 from pagefleet.worker.cuda_graphs import static_logits_bytes
 from pagefleet.worker.models import ModelConfig
+from pagefleet.worker.prompt_graphs import prompt_graph_bytes
 
 GiB = 1 << 30
 CPU_DEFAULT_KV_BYTES = 1 * GiB
@@ -81,9 +82,12 @@ def size_kv_cache(runner, config, mc: ModelConfig) -> int:
         # more blocks than every sequence at full length can use is wasted host memory
         num_blocks = min(available // per_block, config.max_num_seqs * per_seq_blocks + 1)
     else:
+        weights = torch.cuda.memory_allocated()  # the model, before the profiled step's activations
         peak = profile_peak_bytes(runner, config)
         free, total = torch.cuda.mem_get_info()
-        reserve = 0 if config.enforce_eager else GRAPH_RESERVE_BYTES + static_logits_bytes(mc, config.max_num_seqs, runner.dtype)
+        reserve = 0 if config.enforce_eager else (
+            GRAPH_RESERVE_BYTES + static_logits_bytes(mc, config.max_num_seqs, runner.dtype)
+            + prompt_graph_bytes(peak - weights, config.max_num_batched_tokens, mc.vocab_size, runner.dtype))
         # our share of the card, minus what we already use at peak; never more than is actually free
         available = int(min(total * config.gpu_memory_fraction - peak - reserve, free - reserve - (peak - torch.cuda.memory_allocated())))
         num_blocks = max(available, 0) // per_block

@@ -18,6 +18,7 @@ from pagefleet.worker import ops
 from pagefleet.worker.attention import AttentionMetadata, set_attention_metadata
 from pagefleet.worker.config import EngineConfig
 from pagefleet.worker.cuda_graphs import DecodeGraphs, batch_sizes
+from pagefleet.worker.prompt_graphs import PromptGraphs, token_buckets
 from pagefleet.worker.kv_cache import KVCache, profile_peak_bytes, size_kv_cache
 from pagefleet.worker.loader import build_model
 from pagefleet.worker.lora import set_lora_mapping
@@ -109,6 +110,7 @@ class ModelRunner:
         self.kv = KVCache(model_config, num_blocks, self.block_size, self.dtype, self.device)
         self.kv.bind(self.model)
         self.graphs: DecodeGraphs | None = None  # None: every step eager (--enforce-eager, CPU)
+        self.prompt_graphs: PromptGraphs | None = None  # None: every prompt step eager
         if self.device.type == "cuda":
             self._warmup(compile_share)
             if not config.enforce_eager:
@@ -116,6 +118,11 @@ class ModelRunner:
                                            self.max_blocks_per_seq)
                 self.graphs.capture(compile_share)
                 self.start_seconds["graphs"] = self.graphs.capture_seconds
+                buckets = token_buckets(config.max_num_batched_tokens)
+                if buckets:
+                    self.prompt_graphs = PromptGraphs(self.model, self.device, buckets, self.max_blocks_per_seq)
+                    self.prompt_graphs.capture(compile_share, self.graphs.pool)
+                    self.start_seconds["graphs"] += self.prompt_graphs.capture_seconds
             if compile_workers is not None:
                 compile_workers.mark_warm()
 
@@ -174,11 +181,17 @@ class ModelRunner:
                 self._feed_device_tokens(input_ids, feed)
             logits = self.graphs.replay(n)  # the lm_head is in the graph: logits of every row
             return self._sampled_rows(logits, logits_rows)
-        # prefill, mixed, LoRA and over-sized steps: eager
-        dev = self.device
-        tokens_d = self._upload_rows(tokens)
         # The scheduler puts one-token entries first; attention runs them through the decode kernel.
         num_decodes = 0 if is_decode else next((i for i, k in enumerate(batch.num_new_tokens) if k != 1), n)
+        pg = self.prompt_graphs
+        if not is_decode and num_decodes == 0 and pg is not None and pg.fits(n, tokens.shape[1]) and lora_mapping is None:
+            bucket = pg.stage(tokens, seq_lens, cu, tables, logits_rows)
+            if feed is not None:
+                self._feed_device_tokens(pg.tokens[0, : tokens.shape[1]], feed)
+            logits = pg.replay(bucket, len(logits_rows))  # a prompt chunk that samples nothing still writes its K/V
+            return logits if logits_rows else None
+        # mixed, large prompt, LoRA and over-sized steps: eager
+        tokens_d = self._upload_rows(tokens)
         set_attention_metadata(self._eager_metadata(tokens_d[2], tables, seq_lens, cu, num_decodes, is_decode))
         set_lora_mapping(lora_mapping)
         if feed is not None:
