@@ -34,6 +34,21 @@ def static_logits_bytes(model_config, max_num_seqs: int, dtype: torch.dtype) -> 
     return batch_sizes(max_num_seqs)[-1] * model_config.vocab_size * dtype.itemsize
 
 
+def capture_each(keys, forward, pool=None) -> tuple[dict, object]:
+    """A CUDA graph of forward(key) for each key, largest first so that the smaller ones reuse its memory,
+    all in one memory pool (only one graph runs at a time); each after one run outside the capture, where
+    Triton compiles. -> (graph by key, the pool)."""
+    graphs = {}
+    for key in sorted(keys, reverse=True):
+        forward(key)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool):
+            forward(key)
+        pool = graph.pool() if pool is None else pool
+        graphs[key] = graph
+    return graphs, pool
+
+
 class DecodeGraphs:
     def __init__(self, model, device: torch.device, sizes: list[int], max_model_len: int, max_blocks_per_seq: int):
         self.model = model
@@ -58,29 +73,19 @@ class DecodeGraphs:
         kernels compiled, not the graphs; the buffers keep the full sizes so the variants match)."""
         start = time.time()
         ops.reserve_arrivals(self.tokens.device)  # split GEMVs and attention merge through them
-        pool = None
-        ids, positions, slots = self.tokens
         sizes = self.sizes if share is None else self.sizes[share[0]:: share[1]]
-        for bs in reversed(sizes):  # largest first, so smaller graphs reuse its memory pool
-            meta = AttentionMetadata(slots[:bs], self.block_tables[:bs], self.seq_lens[:bs], self.cu_seqlens_q[: bs + 1],
-                                     self.max_model_len, True)
-            set_attention_metadata(meta)
-            self._forward(bs)  # warm-up: Triton compiles outside the capture
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool):
-                self._forward(bs)
-            pool = graph.pool() if pool is None else pool
-            self.graphs[bs] = graph
-            set_attention_metadata(None)
-        self.pool = pool
+        self.graphs, self.pool = capture_each(sizes, self._forward)
         torch.cuda.synchronize()
         self.capture_seconds = time.time() - start
         print(f"pagefleet: captured {len(self.sizes)} decode CUDA graphs (batch 1..{self.max_batch}) in "
               f"{self.capture_seconds:.1f}s", flush=True)
 
     def _forward(self, bs: int) -> None:
-        ids, positions, _ = self.tokens
+        ids, positions, slots = self.tokens
+        set_attention_metadata(AttentionMetadata(slots[:bs], self.block_tables[:bs], self.seq_lens[:bs],
+                                                 self.cu_seqlens_q[: bs + 1], self.max_model_len, True))
         self.model.compute_logits(self.model(ids[:bs], positions[:bs]), out=self.logits[:bs])
+        set_attention_metadata(None)
 
     def fits(self, n: int) -> bool:
         return n <= self.max_batch

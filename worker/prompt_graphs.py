@@ -19,6 +19,7 @@ import torch
 
 from pagefleet.worker import ops
 from pagefleet.worker.attention import AttentionMetadata, set_attention_metadata
+from pagefleet.worker.cuda_graphs import capture_each
 
 MAX_SEQS = 4  # prompts per graphed step: a lone request, or a few arriving together
 BUCKETS = (64, 128, 192, 256, 384, 512, 640, 768, 1024)  # tokens; the padding costs at most ~25 %
@@ -67,13 +68,7 @@ class PromptGraphs:
         start = time.time()
         ops.reserve_arrivals(self.tokens.device)  # the lm_head's split GEMV merges through them
         buckets = self.buckets if share is None else self.buckets[share[0]:: share[1]]
-        for t in reversed(buckets):  # largest first, so smaller graphs reuse its memory
-            self._forward(t)  # warm-up: Triton compiles outside the capture
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool):
-                self._forward(t)
-            pool = graph.pool() if pool is None else pool
-            self.graphs[t] = graph
+        self.graphs, _ = capture_each(buckets, self._forward, pool)
         torch.cuda.synchronize()
         self.capture_seconds = time.time() - start
         print(f"pagefleet: captured {len(buckets)} prompt CUDA graphs ({buckets[0] if buckets else 0}..{self.buckets[-1]} "
