@@ -109,6 +109,25 @@ def test_prefill_bf16(group):
     close(out, ref.paged_prefill_attention(q.float(), kc.float(), vc.float(), bt, sl, cu), BF)
 
 
+def test_prefill_padded_as_a_prompt_graph_stages_it():
+    """worker/prompt_graphs.py pads a step to its token bucket and to 4 sequences: padding sequences own no
+    tokens and no keys, padding tokens belong to no sequence. The real rows match the reference; the
+    spare tiles exit without writing, so the padding rows keep their poison."""
+    from pagefleet.kernels import prefill_attention
+
+    q_lens, prefixes = [300, 21], [0, 40]
+    kc, vc, bt, sl = paged([a + b for a, b in zip(q_lens, prefixes)], 8, 128, 16)
+    bt = torch.cat([bt, torch.zeros(2, bt.shape[1], dtype=torch.int32, device="cuda")])  # padding sequences
+    sl = torch.cat([sl, torch.zeros(2, dtype=torch.int32, device="cuda")])
+    real = sum(q_lens)
+    cu = torch.tensor([0, 300, real, real, real], dtype=torch.int32, device="cuda")
+    q = torch.randn(384, 32, 128, device="cuda", dtype=BF)  # the 384-token bucket
+    out = torch.full_like(q, float("nan"))
+    prefill_attention.paged_prefill_attention(q, kc, vc, bt, sl, cu, out=out)
+    close(out[:real], ref.paged_prefill_attention(q[:real].float(), kc.float(), vc.float(), bt[:2], sl[:2], cu[:3]), BF)
+    assert out[real:].isnan().all()
+
+
 def test_small_kernels_bf16():
     from pagefleet.kernels import activation, fp8, kv_cache, norm, rope
 

@@ -111,6 +111,22 @@ def test_triton_prefill_attention(dtype, group):
     close(out, expected, dtype)
 
 
+def test_triton_prefill_attention_padded_as_a_prompt_graph_stages_it():
+    """Padding sequences with no tokens and no keys at the end, and token rows past the last sequence (the
+    prompt graphs' bucket padding): the real rows match the reference, the padding rows are never written."""
+    gen = torch.Generator().manual_seed(5)
+    lens, q_lens = [21, 30, 0, 0], [21, 9, 0, 0]
+    k_cache, v_cache, bt, seq_lens = make_paged(lens, 2, 32, 16, torch.float32, gen)
+    bt[2:] = 0  # the graphs' padding rows: zeros, never read
+    cu = torch.tensor([0, 21, 30, 30, 30], dtype=torch.int32)
+    q = torch.randn(48, 4, 32, generator=gen)  # a 48-token bucket
+    expected = ref.paged_prefill_attention(q[:30], k_cache, v_cache, bt[:2], seq_lens[:2], cu[:3])
+    out = torch.full_like(q, float("nan"))
+    TK["prefill_attention"].paged_prefill_attention(q, k_cache, v_cache, bt, seq_lens, cu, out=out, block_m=16, block_n=16)
+    close(out[:30], expected, torch.float32)
+    assert out[30:].isnan().all()
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_triton_rms_norm(dtype):
     gen = torch.Generator().manual_seed(5)
