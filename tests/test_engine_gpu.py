@@ -123,19 +123,21 @@ def test_fp8_quantised_rows_change_nothing(tiny_models):
 
 
 @pytest.mark.parametrize("quantization", [None, "fp8"])
-def test_prompt_graphs_near_transformers(tiny_models, monkeypatch, quantization):
-    """Prompt-only steps of up to 4 sequences and 1,024 tokens replay a captured graph (worker/prompt_graphs.py):
-    padded to their bucket, a chunk that samples nothing among them. Logprobs stay as near transformers' fp32
-    as the eager path's bounds allow, and nothing compiles after start-up."""
+def test_prompt_graphs_match_the_eager_path(tiny_models, monkeypatch, quantization):
+    """Prompt-only steps of up to 4 sequences and 1,024 tokens replay a captured graph (worker/prompt_graphs.py),
+    padded to their bucket, a chunk that samples nothing among them. They give the eager path's tokens and
+    logprobs (on the H200: bit for bit; the bound leaves room for a GEMM that picks another algorithm at the
+    padded row count, not for a padding row that writes K/V or a logit taken from the wrong row), and
+    nothing compiles after start-up. The eager path itself is held to transformers by the tests above."""
     from triton.runtime.jit import JITFunction
 
     if quantization and torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("fp8 needs Ada or Hopper")
     forget_compiled_kernels()
-    path = tiny_models["llama"]
-    llm = LLM(str(path), dtype="bfloat16", quantization=quantization, max_model_len=1024, max_num_batched_tokens=1024,
-              max_num_seqs=8, gpu_memory_fraction=0.2)
-    pg = llm.engine.runner.prompt_graphs
+    llm = LLM(str(tiny_models["llama"]), dtype="bfloat16", quantization=quantization, max_model_len=1024,
+              max_num_batched_tokens=1024, max_num_seqs=8, gpu_memory_fraction=0.2, enable_prefix_caching=False)
+    runner = llm.engine.runner
+    pg = runner.prompt_graphs
     assert pg is not None and sorted(pg.graphs) == pg.buckets and pg.buckets[-1] == 1024
     compiled = []
     do_compile = JITFunction._do_compile
@@ -145,24 +147,24 @@ def test_prompt_graphs_near_transformers(tiny_models, monkeypatch, quantization)
         return do_compile(self, key, *args, **kwargs)
 
     monkeypatch.setattr(JITFunction, "_do_compile", recording)
+    # steps: 1 x 5 tokens, 64, 65 + 3, 1000 + a 24-token chunk (samples nothing), then its last 6 beside a
+    # decode (eager), 4 prompts of 650 in all, 5 prompts (eager), 1001, 2
     lengths = [[5], [64], [65, 3], [1000, 30], [300, 200, 100, 50], [9, 8, 7, 6, 5], [1001], [2]]
     groups = [[list(range(1000 + 9 * i + j, 1000 + 9 * i + j + n)) for j, n in enumerate(g)] for i, g in enumerate(lengths)]
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)
-    outs = [(p, o) for g in groups for p, o in zip(g, llm.generate(g, params))]
-    assert pg.replays >= 6 and compiled == [], (pg.replays, compiled)
-    hf32, hf16 = transformers_pair(path)
-    ours, hf_bf16, ref = [], [], []
-    for p, out in outs:
-        toks = out.outputs[0].token_ids
-        ref.append(chosen_logprobs(hf32, p, toks))
-        hf_bf16.append(chosen_logprobs(hf16, p, toks))
-        ours.append(torch.tensor([e.logprob for e in out.outputs[0].logprobs], device="cuda"))
-    if quantization:  # the bound of test_fp8_logprobs_near_transformers
-        error, hf_error = (torch.cat(ours) - torch.cat(ref)).abs().mean().item(), (torch.cat(hf_bf16) - torch.cat(ref)).abs().mean().item()
-        assert error <= max(16 * hf_error, 0.1), (error, hf_error)
-    else:  # the bound of test_logprobs_match_transformers_with_chunks_mixed_into_decodes
-        for o, r, h in zip(ours, ref, hf_bf16):
-            assert (o - r).abs().max().item() <= max(2 * (h - r).abs().max().item(), 0.05)
+
+    def run():
+        outs = [o.outputs[0] for g in groups for o in llm.generate(g, params)]
+        return [o.token_ids for o in outs], torch.tensor([[e.logprob for e in o.logprobs] for o in outs])
+
+    graphed = run()
+    assert pg.replays == 7, pg.replays
+    assert compiled == [], compiled
+    runner.prompt_graphs = None
+    eager = run()
+    assert pg.replays == 7
+    assert graphed[0] == eager[0]
+    assert (graphed[1] - eager[1]).abs().max().item() <= 0.01
 
 
 @pytest.mark.parametrize("quantization", [None, "fp8"])
