@@ -13,7 +13,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 VLLM_STATIC = {1: 198.8, 8: 1334, 64: 6595, 128: 8527, 256: 9864}
 HF_STATIC = {1: 15.7, 8: 142, 64: 1110, 128: 2052}
 VLLM_SERVE = {1: 195, 4: 721, 8: 1308, 16: 2216, 32: 3420, 64: 4478}
-# the runs plotted (docs/benchmarks.md): static batches from run N, serving from run O (the latest), bf16 and FP8
+# the run plotted (docs/benchmarks.md): run R, the latest, bf16 and FP8 (its calls 3-5 ran on one machine)
 
 
 def load(results: Path, name: str) -> dict | list:
@@ -21,9 +21,10 @@ def load(results: Path, name: str) -> dict | list:
 
 
 def main(results: Path, out: Path) -> None:
-    bf16_static = load(results, "n-bf16-offline")["static"]
-    fp8 = load(results, "n-fp8-offline")["fp8"]
-    serve = load(results, "o-serve")
+    run = load(results, "r")
+    bf16_static = run["call3_main"]["static"]
+    fp8 = run["call5_main_offline"]["fp8"]
+    serve = run["call4_main_serve"]
     bf16_serve, fp8_serve = serve["bf16"]["levels"], serve["fp8"]["levels"]
     fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
     batches = [1, 8, 64, 128, 256]
