@@ -1,7 +1,9 @@
 """One forward step on the device: the step's tensors, the model, the sampler.
 
-Builds input ids, positions, slot mapping and block tables from the scheduled batch, runs the model
-(eager for prefill and mixed steps, a replayed CUDA graph for pure decode steps: cuda_graphs.py), and samples.
+Builds input ids, positions, slot mapping and block tables from the scheduled batch, runs the model, and
+samples. A pure decode step replays a CUDA graph (cuda_graphs.py), a small prompt-only step one of the
+prompt graphs (prompt_graphs.py); mixed, large, LoRA and --enforce-eager steps run eagerly, on kernel
+variants compiled at start-up (warmup.py).
 """
 
 from __future__ import annotations
@@ -18,14 +20,15 @@ from pagefleet.worker import ops
 from pagefleet.worker.attention import AttentionMetadata, set_attention_metadata
 from pagefleet.worker.config import EngineConfig
 from pagefleet.worker.cuda_graphs import DecodeGraphs, batch_sizes
-from pagefleet.worker.prompt_graphs import PromptGraphs, token_buckets
 from pagefleet.worker.kv_cache import KVCache, profile_peak_bytes, size_kv_cache
 from pagefleet.worker.loader import build_model
 from pagefleet.worker.lora import set_lora_mapping
 from pagefleet.worker.models import ModelConfig
+from pagefleet.worker.prompt_graphs import PromptGraphs, token_buckets
 from pagefleet.worker.sampler import Sampler
 from pagefleet.worker.scheduler import ScheduledBatch
 from pagefleet.worker.sequence import Sequence
+from pagefleet.worker.warmup import warm_up
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -112,7 +115,7 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None  # None: every step eager (--enforce-eager, CPU)
         self.prompt_graphs: PromptGraphs | None = None  # None: every prompt step eager
         if self.device.type == "cuda":
-            self._warmup(compile_share)
+            warm_up(self, compile_share)
             if not config.enforce_eager:
                 self.graphs = DecodeGraphs(self.model, self.device, batch_sizes(config.max_num_seqs), max_model_len,
                                            self.max_blocks_per_seq)
@@ -268,37 +271,3 @@ class ModelRunner:
             event = torch.cuda.Event()
             event.record()
         return PendingTokens(tokens, host, event)
-
-    @torch.inference_mode()
-    def _warmup(self, share: tuple[int, int] | None = None) -> None:
-        """Compile the eager path's kernel variants now, not in the first requests' time (a variant compiled
-        mid-run stalled every running request for 100+ ms on the H200): prompt chunks, odd and even token
-        counts, and pure decode and mixed steps at one batch size per decode-attention launch setting.
-        share (i, n): every n-th case from the i-th (a compile worker's slice)."""
-        dev = self.device
-        start = time.perf_counter()
-        cases = [(0, [8]), (0, [5, 4]), (1, [7]), (3, [8])]  # (decodes, prompt chunk lengths)
-        for b in ops.decode_warmup_batches(self.config.max_num_seqs, self.model_config.num_key_value_heads):
-            cases += [(b, [3]), (b, [])]
-        if share is not None:
-            cases = cases[share[0]:: share[1]]
-            if not cases:  # more workers than cases
-                return
-        for num_decodes, chunks in cases:
-            q_lens = [1] * num_decodes + chunks
-            n, total = len(q_lens), sum(q_lens)
-            seq_lens = np.array([16] * num_decodes + chunks, dtype=np.int32)
-            cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
-            slots = torch.full((total,), -1, dtype=torch.long, device=dev)  # writes nothing
-            decode_only = not chunks
-            set_attention_metadata(self._eager_metadata(slots, np.zeros((n, 4), dtype=np.int32), seq_lens, cu,
-                                                        0 if decode_only else num_decodes, decode_only))
-            hidden = self.model(torch.zeros(total, dtype=torch.long, device=dev), torch.zeros(total, dtype=torch.long, device=dev))
-            logits = self.model.compute_logits(hidden[:1])
-            set_attention_metadata(None)
-        ops.argmax(logits)  # greedy rows, in the model's dtype
-        ops.argmax(logits.float())  # sampled and penalised rows
-        torch.cuda.synchronize()
-        self.start_seconds["warmup"] = time.perf_counter() - start
-        # seconds here are mostly compiles: a filled kernel cache (TRITON_CACHE_DIR) makes them short
-        print(f"pagefleet: warmed up {len(cases)} eager step shapes in {self.start_seconds['warmup']:.1f}s", flush=True)
