@@ -1,0 +1,169 @@
+"""The serving benchmark's load on the engine alone, with where the GPU waited.
+
+`pagefleet bench serve`'s shape (564-token prompts, 128 output tokens, ignore_eos; at concurrency c,
+max(16, 4c) requests, each slot sending its next request as one finishes), driven straight into an
+LLMEngine: no HTTP, no asyncio, no detokenising. Per concurrency it prints TTFT and inter-token p50 / p99 as
+the engine hands tokens out, output tok/s, and the steps by kind (decode only, prompt only, mixed): how
+many, and their host time p50.
+
+Then, over a window of steps past the first wave of prompts, the torch profiler: the share of the window's
+wall time the GPU spent running kernels. Where that is well under 100 %, the GPU waited on the host
+(between overlapped steps, or inside an eager step's ~400 launches); near 100 %, the time is the kernels'
+own. The profiler's own cost per launch makes the share a little pessimistic for eager steps.
+
+Requests that finish in one step are replaced before the next, so their prompts land together: the load
+comes in waves, as it does through the server (its step traces at concurrency 16 show 14 prompts in a
+step), only more sharply.
+
+Usage: python3 benchmarks/closed_loop_bench.py [--model PATH] [--fp8] [--concurrency 1,4,16,32,64]
+       [--profile-steps 150]
+Without --model: the random Llama-3.1-8B-shaped checkpoint (benchmarks/make_checkpoint.py). On CPU with a
+tiny model it runs too (without the profiler window), which is how its test checks it.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from pagefleet.worker import SamplingParams  # noqa: E402
+from pagefleet.worker.config import EngineConfig  # noqa: E402
+from pagefleet.worker.engine import LLMEngine  # noqa: E402
+
+PROMPT_TOKENS, OUTPUT_TOKENS = 564, 128
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def gpu_busy_share(prof, wall_s: float) -> float:
+    """The union of the kernels' intervals over the profiled window, as a share of its wall time."""
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    busy, end = 0, None
+    for a, b in spans:
+        if end is None or a > end:
+            busy += b - a
+            end = b
+        elif b > end:
+            busy += b - end
+            end = b
+    return busy / 1e6 / wall_s
+
+
+def run_level(eng: LLMEngine, concurrency: int, vocab: int, profile_steps: int, seed: int) -> dict:
+    rng = random.Random(seed)
+    total = max(16, 4 * concurrency)
+    params = SamplingParams(temperature=0.0, max_tokens=OUTPUT_TOKENS, ignore_eos=True, detokenize=False)
+    sent = 0
+    added: dict[str, float] = {}
+    seen: dict[str, int] = {}
+    last: dict[str, float] = {}
+    ttft, itl = [], []
+    output_tokens = 0
+
+    def send() -> None:
+        nonlocal sent
+        rid = f"c{concurrency}-{sent}"
+        eng.add_request(rid, [rng.randrange(100, vocab) for _ in range(PROMPT_TOKENS)], params)
+        added[rid], seen[rid] = time.perf_counter(), 0
+        sent += 1
+
+    for _ in range(min(concurrency, total)):
+        send()
+    steps_before = eng.steps_total
+    on_gpu = torch.cuda.is_available() and profile_steps > 0
+    window = (steps_before + 40, steps_before + 40 + profile_steps)  # past the first wave of prompts
+    prof, window_start, busy = None, 0.0, None
+    start = time.perf_counter()
+    while eng.has_unfinished_requests() or eng.pending is not None:
+        if on_gpu and prof is None and busy is None and eng.steps_total >= window[0]:
+            prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+            prof.__enter__()
+            window_start = time.perf_counter()
+        outs = eng.step()
+        if prof is not None and eng.steps_total >= window[1]:
+            torch.cuda.synchronize()
+            wall = time.perf_counter() - window_start
+            prof.__exit__(None, None, None)
+            busy, prof = gpu_busy_share(prof, wall), None
+        now = time.perf_counter()
+        for out in outs:
+            n = len(out.outputs[0].token_ids)
+            if n > seen[out.request_id]:
+                if seen[out.request_id] == 0:
+                    ttft.append(now - added[out.request_id])
+                else:  # a step may hand over two tokens at once (an overlapped step read late): count each gap
+                    gap = (now - last[out.request_id]) / (n - seen[out.request_id])
+                    itl += [gap] * (n - seen[out.request_id])
+                output_tokens += n - seen[out.request_id]
+                seen[out.request_id], last[out.request_id] = n, now
+            if out.finished and sent < total:
+                send()
+    if prof is not None:  # the run ended inside the window
+        prof.__exit__(None, None, None)
+    wall = time.perf_counter() - start
+    steps = list(eng.recent_steps)[-(eng.steps_total - steps_before):]
+    kinds = {"decode": [], "prompt": [], "mixed": []}
+    for s in steps:
+        kind = "mixed" if s.num_prefill_tokens and s.num_decode_tokens else "prompt" if s.num_prefill_tokens else "decode"
+        kinds[kind].append(s.duration_s)
+    return {
+        "concurrency": concurrency, "requests": total, "output_tokens": output_tokens,
+        "ttft_p50_ms": pct(ttft, 0.5) * 1e3, "ttft_p99_ms": pct(ttft, 0.99) * 1e3,
+        "itl_p50_ms": pct(itl, 0.5) * 1e3, "itl_p99_ms": pct(itl, 0.99) * 1e3,
+        "output_tok_s": output_tokens / wall,
+        "steps": {k: {"count": len(v), "host_ms_p50": pct(v, 0.5) * 1e3} for k, v in kinds.items()},
+        "gpu_busy_share": busy,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", help="checkpoint folder (default: the 8B-shaped random checkpoint)")
+    ap.add_argument("--fp8", action="store_true")
+    ap.add_argument("--concurrency", default="1,4,16,32,64")
+    ap.add_argument("--profile-steps", type=int, default=150)
+    ap.add_argument("--max-model-len", type=int, default=2048)
+    args = ap.parse_args()
+    model = args.model
+    if model is None:
+        from gpu_bench import ROOT
+        from make_checkpoint import make_checkpoint
+
+        model = make_checkpoint("llama-3.1-8b", f"{ROOT}/llama-3.1-8b")
+    # the serving benchmark's server flags (benchmarks/serve_bench.sh)
+    eng = LLMEngine(EngineConfig(model=str(model), quantization="fp8" if args.fp8 else None, max_model_len=args.max_model_len,
+                                 max_num_seqs=256, max_num_batched_tokens=8192))
+    vocab = eng.model_config.vocab_size
+    rows = []
+    for i, c in enumerate(int(x) for x in args.concurrency.split(",")):
+        row = run_level(eng, c, vocab, args.profile_steps, seed=i)
+        rows.append(row)
+        st = row["steps"]
+        busy = "-" if row["gpu_busy_share"] is None else f"{100 * row['gpu_busy_share']:.1f} %"
+        print(f"c={c}: TTFT p50/p99 {row['ttft_p50_ms']:.1f}/{row['ttft_p99_ms']:.1f} ms, ITL p50/p99 "
+              f"{row['itl_p50_ms']:.2f}/{row['itl_p99_ms']:.2f} ms, {row['output_tok_s']:.1f} tok/s | steps "
+              + ", ".join(f"{k} {v['count']} ({v['host_ms_p50']:.1f} ms)" for k, v in st.items())
+              + f" | GPU busy {busy}", flush=True)
+    print("| concurrency | TTFT p50 / p99 (ms) | ITL p50 / p99 (ms) | tok/s | decode / prompt / mixed steps | GPU busy |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        busy = "-" if r["gpu_busy_share"] is None else f"{100 * r['gpu_busy_share']:.1f} %"
+        counts = " / ".join(str(r["steps"][k]["count"]) for k in ("decode", "prompt", "mixed"))
+        print(f"| {r['concurrency']} | {r['ttft_p50_ms']:.1f} / {r['ttft_p99_ms']:.1f} | {r['itl_p50_ms']:.2f} / "
+              f"{r['itl_p99_ms']:.2f} | {r['output_tok_s']:,.1f} | {counts} | {busy} |")
+
+
+if __name__ == "__main__":
+    main()
