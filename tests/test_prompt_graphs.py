@@ -69,3 +69,20 @@ def test_graphed_prompt_steps_match_eager(tiny_models, arch):
             for le, lg in zip(e.outputs[0].logprobs, g.outputs[0].logprobs):
                 assert abs(lg.logprob - le.logprob) < 1e-4 and [t for t, _ in lg.top] == [t for t, _ in le.top]
     assert pg.replays >= len(groups) - 1  # every group's first step but the group of five, and the 400's chunks
+
+
+def test_graphed_prompt_steps_fork_samples_and_hit_the_prefix_cache(tiny_models):
+    """A GRPO-style request (n=4, seeded sampling) forks its samples off a graphed prompt step's one logits
+    row; the same prompt again hits the prefix cache, so its graphed step computes only the uncached tail
+    against cached keys. Both give the eager engine's tokens."""
+    settings = dict(max_model_len=512, max_num_batched_tokens=256, max_num_seqs=8, enable_prefix_caching=True)
+    eager_llm, llm = LLM(str(tiny_models["llama"]), **settings), LLM(str(tiny_models["llama"]), **settings)
+    pg = with_prompt_graphs(llm)
+    prompt = list(range(300, 300 + 100))
+    params = SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=5, ignore_eos=True)
+    for round_ in range(2):
+        eager, graphed = eager_llm.generate([prompt], params)[0], llm.generate([prompt], params)[0]
+        assert len(graphed.outputs) == 4
+        assert [o.token_ids for o in graphed.outputs] == [o.token_ids for o in eager.outputs]
+        assert graphed.num_cached_tokens == eager.num_cached_tokens == (0 if round_ == 0 else 96)  # whole 16-token blocks
+    assert pg.replays == 2
