@@ -1,8 +1,8 @@
 """Where a decode step's time goes on the GPU: kernel time by kind, and the small-batch attention split sweep.
 
 Sections:
-  breakdown   Llama-3.1-8B shape, context 1k, batch 1 / 8 / 64 / 256: one engine step under the torch
-              profiler (CUDA graphs on, then eager), device time per step summed by kernel kind, against
+  breakdown   Llama-3.1-8B shape, context 1k, batch 1 / 8 / 64 / 256 (or BREAKDOWN_BATCHES=16,32): one
+              engine step under the torch profiler (CUDA graphs on, then eager), device time per step summed by kernel kind, against
               the step's wall time (the difference is launch gaps and host time the GPU waited for)
   mixed       the anchors' mixed workloads (256 requests seed 0, 2048 seed 1) on the same engine
   prefill     prompt steps of about 8k and 16k tokens (564-token prompts): kernel time by kind, µs per token
@@ -93,7 +93,7 @@ def profile_runs(fn, runs: int) -> dict:
 def breakdown(eng):
     eng.emit_partial = False
     rows = {}
-    for b in (1, 8, 64, 256):
+    for b in (int(x) for x in os.environ.get("BREAKDOWN_BATCHES", "1,8,64,256").split(",")):
         for mode in ("graphs", "eager"):
             fake_prefilled(eng, b, 1024)
             for _ in range(3):
