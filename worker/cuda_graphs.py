@@ -34,19 +34,24 @@ def static_logits_bytes(model_config, max_num_seqs: int, dtype: torch.dtype) -> 
     return batch_sizes(max_num_seqs)[-1] * model_config.vocab_size * dtype.itemsize
 
 
-def capture_each(keys, forward, pool=None) -> tuple[dict, object]:
+def capture_each(keys, forward, device, share=None, pool=None) -> tuple[dict, object, float]:
     """A CUDA graph of forward(key) for each key, largest first so that the smaller ones reuse its memory,
     all in one memory pool (only one graph runs at a time); each after one run outside the capture, where
-    Triton compiles. -> (graph by key, the pool)."""
+    Triton compiles. share (i, n): only every n-th key from the i-th (a compile worker's slice, which wants
+    the kernels compiled, not the graphs). -> (graph by key, the pool, seconds taken)."""
+    start = time.time()
+    ops.reserve_arrivals(device)  # split GEMVs and the attention merge count arrivals in them
+    keys = sorted(keys)
     graphs = {}
-    for key in sorted(keys, reverse=True):
+    for key in reversed(keys if share is None else keys[share[0]:: share[1]]):
         forward(key)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool):
             forward(key)
         pool = graph.pool() if pool is None else pool
         graphs[key] = graph
-    return graphs, pool
+    torch.cuda.synchronize()
+    return graphs, pool, time.time() - start
 
 
 class DecodeGraphs:
@@ -71,12 +76,7 @@ class DecodeGraphs:
     def capture(self, share: tuple[int, int] | None = None) -> None:
         """share (i, n): capture only every n-th size from the i-th (a compile worker's slice, which wants the
         kernels compiled, not the graphs; the buffers keep the full sizes so the variants match)."""
-        start = time.time()
-        ops.reserve_arrivals(self.tokens.device)  # split GEMVs and attention merge through them
-        sizes = self.sizes if share is None else self.sizes[share[0]:: share[1]]
-        self.graphs, self.pool = capture_each(sizes, self._forward)
-        torch.cuda.synchronize()
-        self.capture_seconds = time.time() - start
+        self.graphs, self.pool, self.capture_seconds = capture_each(self.sizes, self._forward, self.tokens.device, share)
         print(f"pagefleet: captured {len(self.sizes)} decode CUDA graphs (batch 1..{self.max_batch}) in "
               f"{self.capture_seconds:.1f}s", flush=True)
 

@@ -12,12 +12,9 @@ lm_head on the rows that sample, into one static logits buffer, as the decode gr
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import torch
 
-from pagefleet.worker import ops
 from pagefleet.worker.attention import AttentionMetadata, set_attention_metadata
 from pagefleet.worker.cuda_graphs import capture_each
 
@@ -65,13 +62,8 @@ class PromptGraphs:
     def capture(self, share: tuple[int, int] | None = None, pool=None) -> None:
         """share (i, n): every n-th bucket from the i-th (a compile worker's slice). pool: the decode
         graphs' memory pool, shared: only one graph runs at a time."""
-        start = time.time()
-        ops.reserve_arrivals(self.tokens.device)  # the lm_head's split GEMV merges through them
-        buckets = self.buckets if share is None else self.buckets[share[0]:: share[1]]
-        self.graphs, _ = capture_each(buckets, self._forward, pool)
-        torch.cuda.synchronize()
-        self.capture_seconds = time.time() - start
-        print(f"pagefleet: captured {len(buckets)} prompt CUDA graphs ({buckets[0] if buckets else 0}..{self.buckets[-1]} "
+        self.graphs, _, self.capture_seconds = capture_each(self.buckets, self._forward, self.tokens.device, share, pool)
+        print(f"pagefleet: captured {len(self.graphs)} prompt CUDA graphs ({min(self.graphs, default=0)}..{self.buckets[-1]} "
               f"tokens) in {self.capture_seconds:.1f}s", flush=True)
 
     def _forward(self, t: int) -> None:
