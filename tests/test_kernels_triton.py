@@ -115,10 +115,9 @@ def test_triton_prefill_attention_padded_as_a_prompt_graph_stages_it():
     """Padding sequences with no tokens and no keys at the end, and token rows past the last sequence (the
     prompt graphs' bucket padding): the real rows match the reference, the padding rows are never written."""
     gen = torch.Generator().manual_seed(5)
-    lens, q_lens = [21, 30, 0, 0], [21, 9, 0, 0]
-    k_cache, v_cache, bt, seq_lens = make_paged(lens, 2, 32, 16, torch.float32, gen)
+    k_cache, v_cache, bt, seq_lens = make_paged([21, 30, 0, 0], 2, 32, 16, torch.float32, gen)
     bt[2:] = 0  # the graphs' padding rows: zeros, never read
-    cu = torch.tensor([0, 21, 30, 30, 30], dtype=torch.int32)
+    cu = torch.tensor([0, 21, 30, 30, 30], dtype=torch.int32)  # queries of 21 and 9 tokens (the second has 21 cached)
     q = torch.randn(48, 4, 32, generator=gen)  # a 48-token bucket
     expected = ref.paged_prefill_attention(q[:30], k_cache, v_cache, bt[:2], seq_lens[:2], cu[:3])
     out = torch.full_like(q, float("nan"))
