@@ -94,7 +94,11 @@ progress() {
 # EndpointSlice controller could never publish them. We build from a hard-linked copy of the pinned
 # module in which only that loopback check is dropped (go refuses -overlay on the module cache);
 # every other rule stays as released.
+# `go list -m` names the module's folder only once it is in the module cache: a fresh machine has none.
+(cd "$HERE/gobuild" && "$GO" mod download k8s.io/kubernetes) \
+  || { log "could not download k8s.io/kubernetes (is the Go module proxy reachable?)"; exit 5; }
 kube_src="$(cd "$HERE/gobuild" && "$GO" list -m -f '{{.Dir}}' k8s.io/kubernetes)"
+[[ -d "$kube_src" ]] || { log "k8s.io/kubernetes is not in the module cache after go mod download"; exit 5; }
 kube_copy="$STAGE/kubernetes"
 cp -al "$kube_src" "$kube_copy"
 validation_go="pkg/apis/core/validation/validation.go"
