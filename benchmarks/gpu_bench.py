@@ -234,15 +234,15 @@ def roofline(eng):
     RESULTS["roofline"] = decode_steps(eng)
 
 
-def decode_steps(eng, sizes=(1, 8, 64, 128, 256)):
-    """Each batch size at context 1k and 4k: one decode step's time against its floor (the bytes of every
+def decode_steps(eng, sizes=(1, 8, 64, 128, 256), contexts=(1024, 4096)):
+    """Each batch size at each context (1k and 4k): one decode step's time against its floor (the bytes of every
     weight, in the dtype stored, and of the KV read, over the copy bandwidth)."""
     bw = RESULTS.get("ceilings", {}).get("copy_bytes_per_s", 4.27e12)
     mc = eng.model_config
     weight_bytes = sum(p.numel() * p.element_size() for p in eng.runner.model.parameters())
     kv_per_token = 2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim * 2
     rows = []
-    for ctx in (1024, 4096):
+    for ctx in contexts:
         for b in sizes:
             need = b * -(-(ctx + 64) // eng.block_manager.block_size)
             if need > eng.block_manager.num_free_blocks:

@@ -1,7 +1,7 @@
 """The skinny GEMV's tile and K split for a linear's shape (kernels/gemv.py), from the H200 sweeps.
 
 Only the weight's shape and dtype decide: the batch (M rows, at most 16, or 32 with FP8 weights) changed
-the best config by ~2 % at most, except FP8's K tile past 16 rows.
+the best config by ~2 % at most, except the K tile past 16 rows (128 wide, both dtypes).
 """
 import functools
 
@@ -47,5 +47,6 @@ def default_config(M, N, K, num_sms=132, weight_bytes=2, gated=False):
     block_n = 64
     while block_n > 16 and triton.cdiv(N, block_n) < 4 * num_sms:
         block_n //= 2
-    config = block_n, max(128, 4096 // block_n), 2, 4 if block_n == 16 else 3, 1
+    # past 16 rows (M_PAD 32) the x tile doubles: 128-wide K tiles keep a program's registers as at 16 rows
+    config = block_n, 128 if M > 16 else max(128, 4096 // block_n), 2, 4 if block_n == 16 else 3, 1
     return (max(16, block_n // 2),) + config[1:] if gated else config

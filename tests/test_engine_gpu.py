@@ -8,7 +8,10 @@ import re
 import pytest
 import torch
 
-from pagefleet.worker import LLM, SamplingParams, precompile
+from pagefleet.kernels import pdl
+from pagefleet.worker import LLM, SamplingParams, ops, precompile
+from pagefleet.worker.cuda_graphs import DecodeGraphs
+from pagefleet.worker.models.llama import LlamaForCausalLM
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -67,15 +70,41 @@ def test_logprobs_match_transformers_with_chunks_mixed_into_decodes(tiny_models,
     path = tiny_models[arch]
     llm = LLM(str(path), dtype="bfloat16", max_model_len=512, max_num_batched_tokens=32, max_num_seqs=8,
               enforce_eager=enforce_eager, gpu_memory_fraction=0.2)
-    outs = generate_mixed(llm)
+    assert_near_transformers(path, PROMPTS, generate_mixed(llm))
+
+
+def assert_near_transformers(path, prompts, outs):
+    """Each output's logprobs "within bf16 tolerance" of transformers in fp32: no worse than twice what
+    transformers itself loses in bf16."""
     hf32, hf16 = transformers_pair(path)
-    for p, out in zip(PROMPTS, outs):
+    for p, out in zip(prompts, outs):
         toks = out.outputs[0].token_ids
         ref = chosen_logprobs(hf32, p, toks)
         hf_bf16_error = (chosen_logprobs(hf16, p, toks) - ref).abs().max().item()
         ours = torch.tensor([e.logprob for e in out.outputs[0].logprobs], device="cuda")
-        # "within bf16 tolerance": no worse than twice what transformers itself loses in bf16
         assert (ours - ref).abs().max().item() <= max(2 * hf_bf16_error, 0.05)
+
+
+def test_bf16_decode_graphs_of_17_to_32_sequences_through_the_gemv(tiny_models, monkeypatch):
+    """bf16 decode graphs with the GEMV limit at 32 rows (the arm rows32 of benchmarks/decode_graphs_ab.py):
+    24 sequences replay the 32-row graph, its linears our GEMV with the norms folded in."""
+    monkeypatch.setattr(ops, "SKINNY_MAX_ROWS", 32)
+    folded_rows = []
+    real_forward_folded = LlamaForCausalLM.forward_folded
+
+    def forward_folded(self, hidden, positions):
+        folded_rows.append(hidden.shape[0])
+        return real_forward_folded(self, hidden, positions)
+
+    monkeypatch.setattr(LlamaForCausalLM, "forward_folded", forward_folded)
+    path = tiny_models["llama"]
+    llm = LLM(str(path), dtype="bfloat16", max_model_len=512, max_num_batched_tokens=1024, max_num_seqs=32,
+              gpu_memory_fraction=0.2)
+    assert 32 in folded_rows and 48 not in folded_rows  # captured through the GEMV at 32 rows, not past
+    prompts = [list(range(1000 + 13 * i, 1005 + 20 * i)) for i in range(24)]
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0))
+    assert any(s.num_decode_tokens == 24 and not s.num_prefill_tokens for s in llm.engine.recent_steps)
+    assert_near_transformers(path, prompts, outs)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
@@ -120,6 +149,30 @@ def test_fp8_quantised_rows_change_nothing(tiny_models):
     fused = run()
     llm.engine.runner.model.fuse_fp8_quantisation = False
     assert run() == fused
+
+
+@pytest.mark.parametrize("quantization", [None, "fp8"])
+def test_pdl_decode_graphs_match_plain_ones(tiny_models, monkeypatch, quantization):
+    """Decode graphs whose GEMVs and attention launch with programmatic dependent launch (kernels/pdl.py)
+    give bit for bit the tokens and logprobs of plain ones: each program waits for the kernel before it."""
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("programmatic dependent launch needs Hopper")
+    llm = LLM(str(tiny_models["llama"]), dtype="bfloat16", quantization=quantization, max_model_len=512,
+              max_num_batched_tokens=512, max_num_seqs=16, gpu_memory_fraction=0.2)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=0)
+
+    def run():
+        outs = [o.outputs[0] for o in llm.generate(PROMPTS, params)]
+        assert sum(1 for s in llm.engine.recent_steps if s.num_decode_tokens and not s.num_prefill_tokens) >= 10
+        return [o.token_ids for o in outs], [[t.logprob for t in o.logprobs] for o in outs]
+
+    plain = run()
+    runner = llm.engine.runner
+    monkeypatch.setattr(pdl, "ENABLED", True)
+    runner.graphs = DecodeGraphs(runner.model, runner.device, runner.graphs.sizes, runner.graphs.max_model_len,
+                                 runner.max_blocks_per_seq)
+    runner.graphs.capture()
+    assert run() == plain
 
 
 @pytest.mark.parametrize("quantization", [None, "fp8"])

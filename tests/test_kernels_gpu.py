@@ -194,7 +194,7 @@ LLAMA_8B_LINEARS = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (286
 
 
 @pytest.mark.parametrize("shape", list(LLAMA_8B_LINEARS))
-@pytest.mark.parametrize("M", [1, 2, 8, 16])
+@pytest.mark.parametrize("M", [1, 2, 8, 16, 24, 32])  # 24, 32: decode_graphs_ab.py rows32
 def test_skinny_matmul_bf16(shape, M):
     from pagefleet.kernels import gemv
 

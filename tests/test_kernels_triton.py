@@ -275,7 +275,7 @@ def test_triton_attention_odd_shapes(block_size):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("M", [1, 3, 16])
+@pytest.mark.parametrize("M", [1, 3, 16, 24])  # 24: padded to 32 rows (decode graphs of 17-32 sequences)
 @pytest.mark.parametrize("split_k", [1, 2, 3])
 def test_triton_gemv(dtype, M, split_k):
     """K = 100 (a K tail after whole 32-wide tiles), N = 70 (a partial 16-row tile), bias, poisoned out.
