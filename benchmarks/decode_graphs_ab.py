@@ -3,7 +3,8 @@
 Arms (each starts from the defaults):
   base     the engine's own settings
   rows32   bf16 linears of up to 32 rows through our GEMV (ops.SKINNY_MAX_ROWS 32, not 16), norms folded
-  pdl      the GEMV and decode attention launched with programmatic dependent launch (kernels/pdl.py)
+Run S's other arm, programmatic dependent launch for the GEMV and the decode attention, is in f0ac536;
+it measured slower and its kernel code was removed (docs/benchmarks.md, run S).
 
 One engine and one checkpoint (Llama-3.1-8B shape); every arm's graphs are captured in the same process,
 and the arms take turns (a, b, a, b, ...) so drift falls on all of them. Each cell: one decode step at batch
@@ -30,17 +31,15 @@ sys.path.insert(0, os.path.dirname(__file__))
 import gpu_bench  # noqa: E402
 from make_checkpoint import make_checkpoint  # noqa: E402
 
-from pagefleet.kernels import pdl  # noqa: E402
 from pagefleet.worker import ops  # noqa: E402
 from pagefleet.worker.cuda_graphs import DecodeGraphs  # noqa: E402
 
-DEFAULTS = {"rows": ops.SKINNY_MAX_ROWS, "pdl": pdl.ENABLED}
-ARMS = {"base": {}, "rows32": {"rows": 32}, "pdl": {"pdl": True}}
+DEFAULTS = {"rows": ops.SKINNY_MAX_ROWS}
+ARMS = {"base": {}, "rows32": {"rows": 32}}
 
 
 def apply(setting: dict) -> None:
-    s = {**DEFAULTS, **setting}
-    ops.SKINNY_MAX_ROWS, pdl.ENABLED = s["rows"], s["pdl"]
+    ops.SKINNY_MAX_ROWS = {**DEFAULTS, **setting}["rows"]
 
 
 def parse_args():

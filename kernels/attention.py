@@ -10,9 +10,6 @@ import torch
 import triton
 import triton.language as tl
 
-from triton.language.extra import cuda as tl_cuda
-
-from . import pdl
 from .arrivals import counters
 from .rope import rope_and_write_kv, rotate_tile
 
@@ -79,7 +76,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_p
                    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, MERGE: tl.constexpr,
                    MERGE_GROUP: tl.constexpr, SPLITS_PAD: tl.constexpr, UPCAST: tl.constexpr,
-                   ROPE: tl.constexpr, HALF_ROT: tl.constexpr, PDL: tl.constexpr):
+                   ROPE: tl.constexpr, HALF_ROT: tl.constexpr):
     """Program (seq, kv_head, split): the GROUP query heads of one KV head over one slice of its keys.
 
     ROPE: q and this step's k, v come before RoPE and the cache write. Every program rotates its q; the
@@ -90,10 +87,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_p
     so the step needs no reduce launch. arrivals[seq, kv_head] counts finished splits; the merging
     program sets it back to 0 for the next launch (a CUDA graph replays the same buffer). H200, 8B shape,
     same process: decode step at batch 1 / 4 / 8 4.406 / 4.551 / 4.803 -> 4.378 / 4.535 / 4.782 ms.
-    PDL: launched with programmatic dependent launch (kernels/pdl.py).
     """
-    if PDL:
-        tl_cuda.gdc_wait()
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
     # Each sequence cuts its own keys into num_splits slices of whole tiles, from its length on the
@@ -143,8 +137,6 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_p
                                      kv_head * stride_vh, full_end, key_limit, end, qk_scale, stride_kb, stride_ko,
                                      stride_vb, stride_vo, offs_d, d_mask, BLOCK_SIZE, BLOCK_N, True, UPCAST)
 
-    if PDL:
-        tl_cuda.gdc_launch_dependents()
     out_mask = g_mask[:, None] & d_mask[None, :]
     if SPLIT:  # unnormalised partials; an empty slice leaves m = -inf, l = 0, acc = 0
         row = (seq * GROUP * tl.num_programs(1) + heads) * num_splits + split  # [B, H, splits] flattened
@@ -261,7 +253,6 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale=No
     else:
         k_new, v_new, positions, cos_sin, slots = new_kv
         assert k_new.stride(-1) == 1 and v_new.stride(-1) == 1 and cos_sin.shape[-1] <= D
-    use_pdl = pdl.active(q)
     _decode_kernel[(B, Hkv, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, part_acc, part_ml, arrivals if arrivals is not None else seq_lens,
         scale * LOG2E, num_splits,
@@ -272,7 +263,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale=No
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=D, HEAD_DIM_PAD=d_pad,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, SPLIT=split, MERGE=arrivals is not None,
         MERGE_GROUP=max(2, triton.next_power_of_2(group)), SPLITS_PAD=splits_pad, UPCAST=not q.is_cuda,
-        PDL=use_pdl, num_warps=num_warps or auto_warps, num_stages=num_stages or 2, launch_pdl=use_pdl)
+        num_warps=num_warps or auto_warps, num_stages=num_stages or 2)
     if split and arrivals is None:
         _decode_reduce_kernel[(B, H)](part_acc, part_ml, out, num_splits, H, out.stride(0), out.stride(1),
                                       HEAD_DIM=D, HEAD_DIM_PAD=d_pad, SPLITS_PAD=splits_pad, num_warps=4)
