@@ -1,5 +1,4 @@
 """KV-cache write (reshape-and-cache): scatter this step's keys and values into their slots."""
-import torch
 import triton
 import triton.language as tl
 

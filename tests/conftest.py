@@ -1,4 +1,3 @@
-import os
 import sys
 from pathlib import Path
 
@@ -20,6 +19,23 @@ def tiny_models(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("tiny-models")
     return {arch: tiny_model(arch, root / arch) for arch in TINY_ARCHS}
+
+
+@pytest.fixture
+def folded_rows(monkeypatch):
+    """The row count of every forward that took LlamaForCausalLM's folded-norm path (decode graphs of a few
+    rows, and their captures), in call order."""
+    from pagefleet.worker.models.llama import LlamaForCausalLM
+
+    rows = []
+    real_forward_folded = LlamaForCausalLM.forward_folded
+
+    def forward_folded(self, hidden, positions):
+        rows.append(hidden.shape[0])
+        return real_forward_folded(self, hidden, positions)
+
+    monkeypatch.setattr(LlamaForCausalLM, "forward_folded", forward_folded)
+    return rows
 
 
 @pytest.fixture(autouse=True)

@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from pagefleet.worker import LLM, SamplingParams, ops, precompile
-from pagefleet.worker.models.llama import LlamaForCausalLM
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -83,18 +82,10 @@ def assert_near_transformers(path, prompts, outs):
         assert (ours - ref).abs().max().item() <= max(2 * hf_bf16_error, 0.05)
 
 
-def test_bf16_decode_graphs_of_17_to_32_sequences_through_the_gemv(tiny_models, monkeypatch):
+def test_bf16_decode_graphs_of_17_to_32_sequences_through_the_gemv(tiny_models, monkeypatch, folded_rows):
     """bf16 decode graphs with the GEMV limit at 32 rows (the arm rows32 of benchmarks/decode_graphs_ab.py):
     24 sequences replay the 32-row graph, its linears our GEMV with the norms folded in."""
     monkeypatch.setattr(ops, "SKINNY_MAX_ROWS", 32)
-    folded_rows = []
-    real_forward_folded = LlamaForCausalLM.forward_folded
-
-    def forward_folded(self, hidden, positions):
-        folded_rows.append(hidden.shape[0])
-        return real_forward_folded(self, hidden, positions)
-
-    monkeypatch.setattr(LlamaForCausalLM, "forward_folded", forward_folded)
     path = tiny_models["llama"]
     llm = LLM(str(path), dtype="bfloat16", max_model_len=512, max_num_batched_tokens=1024, max_num_seqs=32,
               gpu_memory_fraction=0.2)

@@ -12,7 +12,7 @@ import torch
 
 from pagefleet.worker import LLM, SamplingParams, ops
 from pagefleet.worker.fp8 import Fp8Linear, decoder_linears, quantize_linears_fp8
-from pagefleet.worker.models.llama import LlamaForCausalLM, Linear
+from pagefleet.worker.models.llama import Linear
 
 PROMPTS = [[5], [200], [42]]
 
@@ -36,15 +36,7 @@ def folded_engine(path):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-def test_fp8_decode_path_matches_the_dequantised_model(tiny_models, arch, monkeypatch):
-    steps = []
-    real_forward_folded = LlamaForCausalLM.forward_folded
-
-    def forward_folded(self, hidden, positions):
-        steps.append(hidden.shape[0])
-        return real_forward_folded(self, hidden, positions)
-
-    monkeypatch.setattr(LlamaForCausalLM, "forward_folded", forward_folded)
+def test_fp8_decode_path_matches_the_dequantised_model(tiny_models, arch, monkeypatch, folded_rows):
     monkeypatch.setattr(ops, "skinny_rows", lambda x, fp8=False: x.shape[0] <= ops.SKINNY_MAX_ROWS)
     monkeypatch.setattr(ops, "_skinny", lambda *args: False)  # no Triton GEMV here: lm_head stays on torch
 
@@ -59,7 +51,7 @@ def test_fp8_decode_path_matches_the_dequantised_model(tiny_models, arch, monkey
             assert isinstance(getattr(p, n), Linear) and getattr(p, n).weight_scale is None
 
     tokens, logprobs = generate(fp8_llm)
-    assert steps and max(steps) <= ops.SKINNY_MAX_ROWS and sum(steps) == 8 * len(PROMPTS)  # every step folded
+    assert folded_rows and max(folded_rows) <= ops.SKINNY_MAX_ROWS and sum(folded_rows) == 8 * len(PROMPTS)  # every step folded
     dq_tokens, dq_logprobs = generate(dq_llm)
     assert tokens == dq_tokens
     assert torch.allclose(logprobs, dq_logprobs, atol=1e-4), (logprobs - dq_logprobs).abs().max()

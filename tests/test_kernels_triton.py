@@ -261,13 +261,12 @@ def test_triton_norms_and_activation_quantised_for_fp8(dtype):
 def test_triton_attention_odd_shapes(block_size):
     """head_dim not a power of two (padded lanes) and 3 query heads per KV head (padded rows)."""
     gen = torch.Generator().manual_seed(10)
-    lens, q_lens = [45, 70], [45, 3]
-    k_cache, v_cache, bt, seq_lens = make_paged(lens, 2, 24, block_size, torch.float32, gen)
+    k_cache, v_cache, bt, seq_lens = make_paged([45, 70], 2, 24, block_size, torch.float32, gen)
     q = torch.randn(2, 6, 24, generator=gen)
     expected = ref.paged_decode_attention(q, k_cache, v_cache, bt, seq_lens)
     close(TK["attention"].paged_decode_attention(q, k_cache, v_cache, bt, seq_lens, num_splits=2, block_n=32),
           expected, torch.float32)
-    cu = torch.tensor([0, 45, 48], dtype=torch.int32)
+    cu = torch.tensor([0, 45, 48], dtype=torch.int32)  # queries of 45 (the whole first sequence) and 3 tokens
     q = torch.randn(48, 6, 24, generator=gen)
     expected = ref.paged_prefill_attention(q, k_cache, v_cache, bt, seq_lens, cu)
     close(TK["prefill_attention"].paged_prefill_attention(q, k_cache, v_cache, bt, seq_lens, cu, block_m=16, block_n=32),

@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from pagefleet.worker import LLM, SamplingParams, ops
-from pagefleet.worker.models.llama import LlamaForCausalLM
 
 
 def generate(llm, prompts):
@@ -19,7 +18,7 @@ def generate(llm, prompts):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-def test_folded_norms_give_the_same_tokens_and_logprobs(tiny_models, arch, monkeypatch):
+def test_folded_norms_give_the_same_tokens_and_logprobs(tiny_models, arch, monkeypatch, folded_rows):
     # on the CPU even where there is a GPU: the GPU engine folds at load, and its graphs are captured by then
     llm = LLM(str(tiny_models[arch]), max_model_len=128, num_gpu_blocks_override=32, device="cpu")
     model = llm.engine.runner.model
@@ -33,17 +32,9 @@ def test_folded_norms_give_the_same_tokens_and_logprobs(tiny_models, arch, monke
 
     model.fold_norms()
     assert all(bool((layer.input_layernorm.weight == 1).all()) for layer in model.model.layers)
-    folded_steps = []
-
-    def forward_folded(self, hidden, positions):
-        folded_steps.append(hidden.shape[0])
-        return real_forward_folded(self, hidden, positions)
-
-    real_forward_folded = LlamaForCausalLM.forward_folded
-    monkeypatch.setattr(LlamaForCausalLM, "forward_folded", forward_folded)
     monkeypatch.setattr(ops, "_skinny", lambda *args: False)  # ordinary linears stay on torch here
     monkeypatch.setattr(ops, "skinny_rows", lambda x, fp8=False: x.shape[0] <= ops.SKINNY_MAX_ROWS)
     folded_tokens, folded_logprobs = generate(llm, prompts)
-    assert folded_steps and max(folded_steps) <= ops.SKINNY_MAX_ROWS  # the decode steps took the folded path
+    assert folded_rows and max(folded_rows) <= ops.SKINNY_MAX_ROWS  # the decode steps took the folded path
     assert folded_tokens == tokens
     assert torch.allclose(folded_logprobs, logprobs, atol=1e-4), (folded_logprobs - logprobs).abs().max()

