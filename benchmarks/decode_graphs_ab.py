@@ -3,6 +3,8 @@
 Arms (each starts from the defaults):
   base     the engine's own settings
   rows32   bf16 linears of up to 32 rows through our GEMV (ops.SKINNY_MAX_ROWS 32, not 16), norms folded
+  torch_embed  a folded step's embeddings and their sums of squares by torch (an embedding, then
+           .float().square().sum()), as before kernels/norm.embed_rows
 Run S's other arm, programmatic dependent launch for the GEMV and the decode attention, is in f0ac536;
 it measured slower and its kernel code was removed (docs/benchmarks.md, run S).
 
@@ -26,6 +28,7 @@ import sys
 import time
 
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(__file__))
 import gpu_bench  # noqa: E402
@@ -34,12 +37,20 @@ from make_checkpoint import make_checkpoint  # noqa: E402
 from pagefleet.worker import ops  # noqa: E402
 from pagefleet.worker.cuda_graphs import DecodeGraphs  # noqa: E402
 
-DEFAULTS = {"rows": ops.SKINNY_MAX_ROWS}
-ARMS = {"base": {}, "rows32": {"rows": 32}}
+
+def torch_embed_rows(ids, table):
+    """The folded path's embeddings as they were before kernels/norm.embed_rows (4 launches)."""
+    rows = F.embedding(ids, table)
+    return rows, rows.float().square().sum(-1)[None]
+
+
+DEFAULTS = {"rows": ops.SKINNY_MAX_ROWS, "embed_rows": ops.embed_rows}
+ARMS = {"base": {}, "rows32": {"rows": 32}, "torch_embed": {"embed_rows": torch_embed_rows}}
 
 
 def apply(setting: dict) -> None:
-    ops.SKINNY_MAX_ROWS = {**DEFAULTS, **setting}["rows"]
+    s = {**DEFAULTS, **setting}
+    ops.SKINNY_MAX_ROWS, ops.embed_rows = s["rows"], s["embed_rows"]
 
 
 def parse_args():

@@ -210,6 +210,13 @@ def row_sum_squares(x):
     return x.float().square().sum(-1)[None]
 
 
+def embed_rows(ids, table):
+    """ids [M] -> (table[ids] [M, K], their sums of squares [1, M] fp32): a folded decode step's embeddings
+    and the sumsq its first GEMV normalises them by."""
+    rows = table[ids]
+    return rows, row_sum_squares(rows)
+
+
 # ---------------------------------------------------------------- greedy token choice
 
 

@@ -30,9 +30,9 @@ def folded_rows(monkeypatch):
     rows = []
     real_forward_folded = LlamaForCausalLM.forward_folded
 
-    def forward_folded(self, hidden, positions):
-        rows.append(hidden.shape[0])
-        return real_forward_folded(self, hidden, positions)
+    def forward_folded(self, input_ids, positions):
+        rows.append(input_ids.shape[0])
+        return real_forward_folded(self, input_ids, positions)
 
     monkeypatch.setattr(LlamaForCausalLM, "forward_folded", forward_folded)
     return rows

@@ -285,6 +285,20 @@ def test_split_gemvs_in_a_graph(fp8):
     assert not arrivals.counters(torch.device("cuda"), 0).any()
 
 
+@pytest.mark.parametrize("M", [1, 16, 32])
+def test_embed_rows_bf16(M):
+    """A folded decode step's embeddings (Llama-3.1-8B's 128256 x 4096 table) and their sums of squares."""
+    from pagefleet.kernels import norm
+
+    table = torch.randn(128256, 4096, device="cuda", dtype=BF)
+    ids = torch.randint(0, 128256, (M,), device="cuda")
+    ids[0] = 128255
+    rows, sumsq = norm.embed_rows(ids, table)
+    exp_rows, exp_sumsq = ref.embed_rows(ids, table)
+    assert torch.equal(rows, exp_rows)
+    close(sumsq, exp_sumsq, torch.float32)
+
+
 @pytest.mark.parametrize("M", [1, 4, 16])
 def test_folded_norm_gemvs_bf16(M):
     """Llama-3.1-8B's o_proj adding into the stream, then gate_up reading it through a folded RMSNorm

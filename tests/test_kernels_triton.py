@@ -127,6 +127,21 @@ def test_triton_prefill_attention_padded_as_a_prompt_graph_stages_it():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_triton_embed_rows(dtype):
+    """Rows gathered exactly (a row twice, the last row), a hidden size not a power of two, their sums of
+    squares in fp32."""
+    gen = torch.Generator().manual_seed(6)
+    table = torch.randn(50, 70, generator=gen).to(dtype)
+    ids = torch.tensor([3, 49, 3, 0, 17])
+    rows, sumsq = TK["norm"].embed_rows(ids, table)
+    exp_rows, exp_sumsq = ref.embed_rows(ids, table)
+    assert torch.equal(rows, exp_rows) and sumsq.shape == (1, 5) and sumsq.dtype == torch.float32
+    close(sumsq, exp_sumsq, torch.float32)
+    rows, sumsq = TK["norm"].embed_rows(ids[:0], table)
+    assert rows.shape == (0, 70) and sumsq.shape == (1, 0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_triton_rms_norm(dtype):
     gen = torch.Generator().manual_seed(5)
     w = torch.randn(48, generator=gen).to(dtype)

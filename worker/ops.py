@@ -33,14 +33,13 @@ SKINNY_MAX_ROWS_FP8 = 32
 
 
 def skinny_rows(x, fp8: bool = False) -> bool:
-    """True where linears of these rows go to our GEMV: a graph capture of a few half-precision rows
-    (fp8: of a model with e4m3 decoder weights).
+    """True where linears of x's rows (or of the tokens x holds) go to our GEMV: a graph capture of a few
+    rows (fp8: of a model with e4m3 decoder weights). _skinny adds that the rows are half precision.
 
     Only inside a CUDA graph capture: a Triton launch costs the host far more than a cuBLAS call
     (--enforce-eager at batch 1 went from ~14 to ~49 ms a step), and a graph replays it for free."""
     max_rows = SKINNY_MAX_ROWS_FP8 if fp8 else SKINNY_MAX_ROWS
-    return bool(_triton and x.shape[0] <= max_rows and x.dtype in (torch.bfloat16, torch.float16)
-                and torch.cuda.is_current_stream_capturing())
+    return bool(_triton and x.shape[0] <= max_rows and torch.cuda.is_current_stream_capturing())
 
 
 def reserve_arrivals(device) -> None:
@@ -50,7 +49,8 @@ def reserve_arrivals(device) -> None:
 
 
 def _skinny(x, weight, weight_scale=None) -> bool:
-    return skinny_rows(x, weight_scale is not None) and (weight.dtype == x.dtype or weight_scale is not None)
+    return (skinny_rows(x, weight_scale is not None) and x.dtype in (torch.bfloat16, torch.float16)
+            and (weight.dtype == x.dtype or weight_scale is not None))
 
 
 class Fp8Rows(NamedTuple):
@@ -107,9 +107,10 @@ def linear_add(x, weight, bias, residual, weight_scale=None):
     return _gemv().skinny_matmul(x, weight, bias, residual=residual, weight_scale=weight_scale)
 
 
-def row_sum_squares(x):
-    """x [M, K] -> [1, M] fp32: the sumsq of rows no GEMV wrote (the embeddings)."""
-    return ref.row_sum_squares(x)
+def embed_rows(ids, table):
+    """ids [M] -> (table[ids], their sums of squares [1, M] fp32): a folded decode step's embeddings and the
+    sumsq its first GEMV reads (no GEMV wrote these rows)."""
+    return (_triton["norm"] if _triton and ids.is_cuda else ref).embed_rows(ids, table)
 
 
 def argmax(logits):

@@ -155,9 +155,9 @@ class LlamaForCausalLM(nn.Module):
     # ---- forward
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        if self.norms_folded and ops.skinny_rows(input_ids, self.fp8_weights):  # norms fold only in half precision
+            return self.forward_folded(input_ids, positions)
         hidden = self.model.embed_tokens(input_ids)
-        if self.norms_folded and ops.skinny_rows(hidden, self.fp8_weights):
-            return self.forward_folded(hidden, positions)
         residual = None
         # e4m3 linears that are GEMMs here (not the decode GEMV): rows reach them quantised by the kernel before
         fp8_rows = self.fp8_weights and self.fuse_fp8_quantisation and not ops.skinny_rows(hidden, True)
@@ -166,11 +166,11 @@ class LlamaForCausalLM(nn.Module):
         hidden, _ = self.model.norm(hidden, residual)
         return hidden
 
-    def forward_folded(self, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """A decode step's forward with the decoder norms folded: embeddings -> final hidden states. Of the
-        norms only the final one launches; the embeddings' sums of squares are a few small torch kernels
-        (the H200 profile at batch 1 had 64 norm launches of ~2.2 us a step)."""
-        residual, sumsq = hidden, ops.row_sum_squares(hidden)
+    def forward_folded(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """A decode step's forward with the decoder norms folded: token ids -> final hidden states. Of the
+        norms only the final one launches (the H200 profile at batch 1 had 64 norm launches of ~2.2 us a
+        step); the embeddings come with their sums of squares, which the first GEMV normalises by."""
+        residual, sumsq = ops.embed_rows(input_ids, self.model.embed_tokens.weight)
         for layer in self.model.layers:
             residual, sumsq = layer.forward_folded(positions, residual, sumsq, self.cos_sin_cache)
         return self.model.norm(residual)
