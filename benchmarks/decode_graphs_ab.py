@@ -83,7 +83,7 @@ def main():
     batches = [int(b) for b in args.batches.split(",")]
     contexts = [int(c) for c in args.contexts.split(",")]
     os.makedirs(args.out_dir, exist_ok=True)
-    gpu_bench.SECTIONS.append("ceilings")
+    gpu_bench.SECTIONS.append("ceilings")  # gpu_bench's sections come from its own argv, which is ours here
     gpu_bench.ceilings()
     path = make_checkpoint("llama-3.1-8b", f"{gpu_bench.ROOT}/llama-3.1-8b")
     # graphs up to 64 sequences, once per arm: a smaller KV budget than gpu_bench's leaves room for them
