@@ -34,6 +34,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import gpu_bench  # noqa: E402
 from make_checkpoint import make_checkpoint  # noqa: E402
 
+from pagefleet.kernels import reference as ref  # noqa: E402
 from pagefleet.worker import ops  # noqa: E402
 from pagefleet.worker.cuda_graphs import DecodeGraphs  # noqa: E402
 
@@ -41,7 +42,7 @@ from pagefleet.worker.cuda_graphs import DecodeGraphs  # noqa: E402
 def torch_embed_rows(ids, table):
     """The folded path's embeddings as they were before kernels/norm.embed_rows (4 launches)."""
     rows = F.embedding(ids, table)
-    return rows, rows.float().square().sum(-1)[None]
+    return rows, ref.row_sum_squares(rows)
 
 
 DEFAULTS = {"rows": ops.SKINNY_MAX_ROWS, "embed_rows": ops.embed_rows}

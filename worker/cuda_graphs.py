@@ -18,6 +18,7 @@ import torch
 
 from pagefleet.worker import ops
 from pagefleet.worker.attention import AttentionMetadata, set_attention_metadata
+from pagefleet.worker.precompile import share_of
 
 
 def batch_sizes(max_num_seqs: int) -> list[int]:
@@ -43,7 +44,7 @@ def capture_each(keys, forward, device, share=None, pool=None) -> tuple[dict, ob
     ops.reserve_arrivals(device)  # split GEMVs and the attention merge count arrivals in them
     keys = sorted(keys)
     graphs = {}
-    for key in reversed(keys if share is None else keys[share[0]:: share[1]]):
+    for key in reversed(share_of(keys, share)):
         forward(key)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool):

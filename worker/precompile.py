@@ -174,6 +174,11 @@ class CompileWorkers:
             print(f"pagefleet: could not mark the kernel cache warm ({e})", flush=True)
 
 
+def share_of(items: list, share: tuple[int, int] | None) -> list:
+    """A compile worker's slice: share (i, n) takes every n-th item from the i-th; None takes them all."""
+    return items if share is None else items[share[0]:: share[1]]
+
+
 def worker_command(config: EngineConfig, model_path: Path, max_model_len: int, share: tuple[int, int]) -> list[str]:
     """The command line of worker share[0] of share[1]: the engine's settings as JSON, read back by _work."""
     spec = {"config": dataclasses.asdict(config), "model": str(Path(model_path).resolve()), "max_model_len": max_model_len,

@@ -15,6 +15,7 @@ import torch
 
 from pagefleet.worker import ops
 from pagefleet.worker.attention import set_attention_metadata
+from pagefleet.worker.precompile import share_of
 
 
 def warmup_cases(max_num_seqs: int, num_kv_heads: int, share: tuple[int, int] | None = None) -> list[tuple[int, list[int]]]:
@@ -23,7 +24,7 @@ def warmup_cases(max_num_seqs: int, num_kv_heads: int, share: tuple[int, int] | 
     cases = [(0, [8]), (0, [5, 4]), (1, [7]), (3, [8])]
     for b in ops.decode_warmup_batches(max_num_seqs, num_kv_heads):
         cases += [(b, [3]), (b, [])]
-    return cases if share is None else cases[share[0]:: share[1]]
+    return share_of(cases, share)
 
 
 @torch.inference_mode()
