@@ -9,7 +9,9 @@ many, and their host time p50.
 Then, over a window of steps past the first wave of prompts, the torch profiler: the share of the window's
 wall time the GPU spent running kernels. Where that is well under 100 %, the GPU waited on the host
 (between overlapped steps, or inside an eager step's ~400 launches); near 100 %, the time is the kernels'
-own. The profiler's own cost per launch makes the share a little pessimistic for eager steps.
+own. The profiler's own cost per launch makes the share a little pessimistic for eager steps. Over the
+same window, the steady decode steps' GPU period (one sampling launch to the next): how much of it each op
+took, and between which ops the GPU sat idle.
 
 Requests that finish in one step are replaced before the next, so their prompts land together: the load
 comes in waves, as it does through the server (its step traces at concurrency 16 show 14 prompts in a
@@ -23,10 +25,13 @@ tiny model it runs too (without the profiler window), which is how its test chec
 from __future__ import annotations
 
 import argparse
+import bisect
 import os
 import random
+import statistics
 import sys
 import time
+from collections import Counter
 
 import torch
 
@@ -61,6 +66,53 @@ def gpu_busy_share(prof, wall_s: float) -> float:
     return busy / 1e6 / wall_s
 
 
+def step_periods(prof, marker: str = "_argmax_kernel", top: int = 12) -> dict:
+    """Where the GPU's time goes from one step to the next: periods run from one sampling launch (once a
+    step) to the next, and only those within 10 % of the median period count (the steady decode steps, not
+    the prompt waves). -> the mean period, its busy and idle µs, the µs per period of each op by name (graph
+    kernels included), and the idle µs per period by the pair of ops on either side of a gap."""
+    events = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                    if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    marks = [a for a, _, name in events if name == marker]
+    if len(marks) < 3:
+        return {}
+    median = statistics.median(b - a for a, b in zip(marks, marks[1:]))
+    steady = {i for i, (a, b) in enumerate(zip(marks, marks[1:])) if abs(b - a - median) < 0.1 * median}
+    by_name, gaps = Counter(), Counter()
+    busy = 0.0
+    last = {}  # period -> (end of the busy span so far, name of the op that ended it)
+    for start, end, name in events:
+        i = bisect.bisect_right(marks, start) - 1
+        if i not in steady:
+            continue
+        end = min(end, marks[i + 1])
+        by_name[name[:60]] += end - start
+        span_end, prev = last.get(i, (marks[i], "(period start)"))
+        if start > span_end:
+            gaps[f"{prev[:28]} -> {name[:28]}"] += start - span_end
+        busy += end - max(start, span_end) if end > span_end else 0
+        if end > span_end:
+            last[i] = (end, name)
+    for i in steady:  # the idle before the next period's sampling launch
+        span_end, prev = last.get(i, (marks[i], "(period start)"))
+        gaps[f"{prev[:28]} -> {marker[:28]}"] += marks[i + 1] - span_end
+    n = len(steady)
+    period = sum(marks[i + 1] - marks[i] for i in steady) / n
+    return {"periods": n, "period_us": period, "busy_us": busy / n, "idle_us": period - busy / n,
+            "ops_us": {k: v / n for k, v in by_name.most_common(top)},
+            "gaps_us": {k: v / n for k, v in gaps.most_common(top // 2)}}
+
+
+def print_periods(label: str, report: dict) -> None:
+    if not report:
+        return
+    print(f"{label}: {report['periods']} steady steps of {report['period_us']:.1f} µs: busy {report['busy_us']:.1f}, "
+          f"idle {report['idle_us']:.1f}", flush=True)
+    for kind in ("ops_us", "gaps_us"):
+        for name, us in report[kind].items():
+            print(f"    {kind[:-3]:4s} {us:8.1f} µs  {name}", flush=True)
+
+
 def run_level(eng: LLMEngine, concurrency: int, vocab: int, profile_steps: int, seed: int) -> dict:
     rng = random.Random(seed)
     total = max(16, 4 * concurrency)
@@ -93,7 +145,7 @@ def run_level(eng: LLMEngine, concurrency: int, vocab: int, profile_steps: int, 
     steps_before = eng.steps_total
     on_gpu = torch.cuda.is_available() and profile_steps > 0
     window = (steps_before + 40, steps_before + 40 + profile_steps)  # past the first wave of prompts
-    prof, window_start, busy = None, 0.0, None
+    prof, window_start, busy, periods = None, 0.0, None, {}
     start = time.perf_counter()
     while eng.has_unfinished_requests() or eng.pending is not None:
         if on_gpu and prof is None and busy is None and eng.steps_total >= window[0]:
@@ -108,7 +160,7 @@ def run_level(eng: LLMEngine, concurrency: int, vocab: int, profile_steps: int, 
             wall = time.perf_counter() - window_start
             paused = time.perf_counter()
             prof.__exit__(None, None, None)
-            busy, prof = gpu_busy_share(prof, wall), None
+            busy, periods, prof = gpu_busy_share(prof, wall), step_periods(prof), None
             hide(time.perf_counter() - paused)
         now = time.perf_counter()
         for out in outs:
@@ -137,7 +189,7 @@ def run_level(eng: LLMEngine, concurrency: int, vocab: int, profile_steps: int, 
         "itl_p50_ms": pct(itl, 0.5) * 1e3, "itl_p99_ms": pct(itl, 0.99) * 1e3,
         "output_tok_s": output_tokens / wall,
         "steps": {k: {"count": len(v), "host_ms_p50": pct(v, 0.5) * 1e3} for k, v in kinds.items()},
-        "gpu_busy_share": busy,
+        "gpu_busy_share": busy, "step_periods": periods,
     }
 
 
@@ -169,6 +221,7 @@ def main() -> None:
               f"{row['itl_p50_ms']:.2f}/{row['itl_p99_ms']:.2f} ms, {row['output_tok_s']:.1f} tok/s | steps "
               + ", ".join(f"{k} {v['count']} ({v['host_ms_p50']:.1f} ms)" for k, v in st.items())
               + f" | GPU busy {busy}", flush=True)
+        print_periods(f"c={c}", row["step_periods"])
     print("| concurrency | TTFT p50 / p99 (ms) | ITL p50 / p99 (ms) | tok/s | decode / prompt / mixed steps | GPU busy |")
     print("|---|---|---|---|---|---|")
     for r in rows:

@@ -8,7 +8,7 @@ from pagefleet.worker.config import EngineConfig
 from pagefleet.worker.engine import LLMEngine
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-from closed_loop_bench import OUTPUT_TOKENS, gpu_busy_share, run_level  # noqa: E402
+from closed_loop_bench import OUTPUT_TOKENS, gpu_busy_share, run_level, step_periods  # noqa: E402
 
 
 def test_closed_loop_counts(tiny_models):
@@ -30,9 +30,10 @@ def test_closed_loop_counts(tiny_models):
 
 
 class Event:
-    def __init__(self, start, end, cuda=True):
+    def __init__(self, start, end, cuda=True, name="k"):
         import torch
 
+        self.name = name
         self.device_type = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
         self.time_range = type("Range", (), {"start": start, "end": end})()
 
@@ -49,3 +50,21 @@ def test_gpu_busy_share_counts_overlaps_once():
     # kernels at 0-10, 5-20 and 12-18 us cover 0-20; with 30-40, 30 us busy in a 50 us window; CPU events ignored
     prof = Profile([Event(30, 40), Event(0, 10), Event(5, 20), Event(0, 50, cuda=False), Event(12, 18)])
     assert abs(gpu_busy_share(prof, 50e-6) - 0.6) < 1e-9
+
+
+def test_step_periods_splits_each_step_into_ops_and_idle():
+    def step(t0, graph_us):  # one decode step: an input copy, the graph's kernel, the sampling launch
+        return [Event(t0, t0 + 5, name="copy"), Event(t0 + 7, t0 + 7 + graph_us, name="graph"),
+                Event(t0 + 9 + graph_us, t0 + 12 + graph_us, name="_argmax_kernel")]
+
+    events = []
+    for i in range(5):  # steady 100 us periods: 5 copy, 2 idle, 86 graph, 2 idle, 3 argmax, 2 idle
+        events += step(100 * i, 86)
+    events += step(500, 986)  # a long (prompt) step, left out of the steady periods
+    events.append(Event(0, 2000, cuda=False, name="cpu"))
+    r = step_periods(Profile(events))
+    # marks at 95, 195, 295, 395, 495 and 1495: four steady periods of 100 us, the 1000 us one dropped
+    assert r["periods"] == 4 and r["period_us"] == 100
+    assert r["busy_us"] == 94 and r["idle_us"] == 6
+    assert r["ops_us"] == {"graph": 86, "copy": 5, "_argmax_kernel": 3}
+    assert r["gaps_us"] == {"copy -> graph": 2, "graph -> _argmax_kernel": 2, "_argmax_kernel -> copy": 2}
