@@ -5,8 +5,9 @@ Arms (each starts from the defaults):
   rows32   bf16 linears of up to 32 rows through our GEMV (ops.SKINNY_MAX_ROWS 32, not 16), norms folded
   torch_embed  a folded step's embeddings and their sums of squares by torch (an embedding, then
            .float().square().sum()), as before kernels/norm.embed_rows
-Run S's other arm, programmatic dependent launch for the GEMV and the decode attention, is in f0ac536;
-it measured slower and its kernel code was removed (docs/benchmarks.md, run S).
+  no_pdl   the GEMV and the decode attention launched without programmatic dependent launch (kernels/pdl.py)
+Run S's PDL arm released dependents after the main loop (f0ac536) and measured slower; run T's releases
+them at exit (docs/benchmarks.md, runs S and T).
 
 One engine and one checkpoint (Llama-3.1-8B shape); every arm's graphs are captured in the same process,
 and the arms take turns (a, b, a, b, ...) so drift falls on all of them. Each cell: one decode step at batch
@@ -34,6 +35,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import gpu_bench  # noqa: E402
 from make_checkpoint import make_checkpoint  # noqa: E402
 
+from pagefleet.kernels import pdl  # noqa: E402
 from pagefleet.kernels import reference as ref  # noqa: E402
 from pagefleet.worker import ops  # noqa: E402
 from pagefleet.worker.cuda_graphs import DecodeGraphs  # noqa: E402
@@ -45,13 +47,13 @@ def torch_embed_rows(ids, table):
     return rows, ref.row_sum_squares(rows)
 
 
-DEFAULTS = {"rows": ops.SKINNY_MAX_ROWS, "embed_rows": ops.embed_rows}
-ARMS = {"base": {}, "rows32": {"rows": 32}, "torch_embed": {"embed_rows": torch_embed_rows}}
+DEFAULTS = {"rows": ops.SKINNY_MAX_ROWS, "embed_rows": ops.embed_rows, "pdl": pdl.ENABLED}
+ARMS = {"base": {}, "rows32": {"rows": 32}, "torch_embed": {"embed_rows": torch_embed_rows}, "no_pdl": {"pdl": False}}
 
 
 def apply(setting: dict) -> None:
     s = {**DEFAULTS, **setting}
-    ops.SKINNY_MAX_ROWS, ops.embed_rows = s["rows"], s["embed_rows"]
+    ops.SKINNY_MAX_ROWS, ops.embed_rows, pdl.ENABLED = s["rows"], s["embed_rows"], s["pdl"]
 
 
 def parse_args():

@@ -9,6 +9,9 @@ import math
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import cuda as tl_cuda
+
+from . import pdl
 
 from .arrivals import counters
 from .rope import rope_and_write_kv, rotate_tile
@@ -76,7 +79,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_p
                    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, MERGE: tl.constexpr,
                    MERGE_GROUP: tl.constexpr, SPLITS_PAD: tl.constexpr, UPCAST: tl.constexpr,
-                   ROPE: tl.constexpr, HALF_ROT: tl.constexpr):
+                   ROPE: tl.constexpr, HALF_ROT: tl.constexpr, PDL: tl.constexpr):
     """Program (seq, kv_head, split): the GROUP query heads of one KV head over one slice of its keys.
 
     ROPE: q and this step's k, v come before RoPE and the cache write. Every program rotates its q; the
@@ -87,7 +90,10 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_p
     so the step needs no reduce launch. arrivals[seq, kv_head] counts finished splits; the merging
     program sets it back to 0 for the next launch (a CUDA graph replays the same buffer). H200, 8B shape,
     same process: decode step at batch 1 / 4 / 8 4.406 / 4.551 / 4.803 -> 4.378 / 4.535 / 4.782 ms.
+    PDL: launched with programmatic dependent launch (kernels/pdl.py): wait for the kernel ahead first.
     """
+    if PDL:
+        tl_cuda.gdc_wait()
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
     # Each sequence cuts its own keys into num_splits slices of whole tiles, from its length on the
@@ -216,7 +222,8 @@ ROPE_MAX_BATCH = 64
 
 
 def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale=None, max_seq_len=None, out=None,
-                           num_splits=None, block_n=None, num_warps=None, num_stages=None, merge=True, new_kv=None):
+                           num_splits=None, block_n=None, num_warps=None, num_stages=None, merge=True, new_kv=None,
+                           pdl_chain=False):
     """q [B, H, D] (one token per sequence) -> [B, H, D]. seq_lens / block_tables stay on the device.
 
     max_seq_len is accepted for symmetry with the prefill launcher: every sequence sizes its own splits.
@@ -224,6 +231,8 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale=No
     new_kv=(k, v, positions, cos_sin_cache, slot_mapping): q and k [B, Hkv, D] are before RoPE, and this
     launch also does rope_and_write_kv's work (the new keys are the last of seq_lens). Below ROPE_MAX_BATCH
     sequences; from there rope_and_write_kv runs first, as its own launch.
+    pdl_chain: the kernel ahead of this one is launched with programmatic dependent launch too (our GEMV,
+    kernels/pdl.py): launch this one that way (not after rope_and_write_kv).
     """
     B, H, D = q.shape
     _, block_size, Hkv, _ = k_cache.shape
@@ -233,6 +242,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale=No
     out = torch.empty_like(q) if out is None else out
     if B == 0:
         return out
+    use_pdl = pdl_chain and not (new_kv is not None and B >= ROPE_MAX_BATCH) and pdl.active(q)
     if new_kv is not None and B >= ROPE_MAX_BATCH:
         k_new, v_new, positions, cos_sin, slots = new_kv
         q, new_kv = rope_and_write_kv(q, k_new, v_new, positions, cos_sin, k_cache, v_cache, slots), None
@@ -263,7 +273,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale=No
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=D, HEAD_DIM_PAD=d_pad,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, SPLIT=split, MERGE=arrivals is not None,
         MERGE_GROUP=max(2, triton.next_power_of_2(group)), SPLITS_PAD=splits_pad, UPCAST=not q.is_cuda,
-        num_warps=num_warps or auto_warps, num_stages=num_stages or 2)
+        PDL=use_pdl, launch_pdl=use_pdl, num_warps=num_warps or auto_warps, num_stages=num_stages or 2)
     if split and arrivals is None:
         _decode_reduce_kernel[(B, H)](part_acc, part_ml, out, num_splits, H, out.stride(0), out.stride(1),
                                       HEAD_DIM=D, HEAD_DIM_PAD=d_pad, SPLITS_PAD=splits_pad, num_warps=4)

@@ -25,6 +25,9 @@ import warnings
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import cuda as tl_cuda
+
+from . import pdl
 
 from .arrivals import counters
 from .gemv_tiles import default_config, sm_count
@@ -97,7 +100,7 @@ def _skinny_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, sumsq_ptr, res_pt
                    HAS_BIAS: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    GATED: tl.constexpr, RMS_IN: tl.constexpr, SUMSQ_PAD: tl.constexpr, ADD_RESIDUAL: tl.constexpr,
                    UPCAST: tl.constexpr, PRECISION: tl.constexpr, W_FP8: tl.constexpr, NORM_X: tl.constexpr,
-                   SPLIT: tl.constexpr):
+                   SPLIT: tl.constexpr, PDL: tl.constexpr):
     """Program (n tile, k split): out rows of this n tile = x @ weight[n tile].T (+ bias), over one K slice.
 
     GATED: weight packs [gate; up] (2N rows) and out = silu(x @ gate.T) * (x @ up.T), [M, N]: the program
@@ -112,7 +115,10 @@ def _skinny_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, sumsq_ptr, res_pt
     SPLIT: each of the split_k programs of an n tile stores its fp32 partial (part_ptr, [split_k, M, N or 2N]);
     the last to arrive (counts_ptr, one counter per n tile) sums them in split order and finishes, so a
     split GEMV is still one launch and its result does not depend on which split finished last.
+    PDL: launched with programmatic dependent launch (kernels/pdl.py): wait for the kernel ahead first.
     """
+    if PDL:
+        tl_cuda.gdc_wait()
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, M_PAD)
@@ -238,6 +244,7 @@ def skinny_matmul(x, weight, bias=None, out=None, block_n=None, block_k=None, nu
     if residual is not None:
         assert residual.shape == (M, N) and residual.stride(-1) == 1 and not gated
         sumsq_out = torch.empty(grid_n, M, dtype=torch.float32, device=x.device)
+    use_pdl = pdl.active(x)
     _skinny_kernel[(grid_n, split_k)](
         x, weight, weight_scale if fp8 else x, bias if bias is not None else x, out, sumsq if sumsq is not None else x,
         residual if residual is not None else x, sumsq_out if residual is not None else x, parts,
@@ -248,5 +255,5 @@ def skinny_matmul(x, weight, bias=None, out=None, block_n=None, block_k=None, nu
         SUMSQ_PAD=triton.next_power_of_2(sumsq.shape[0]) if sumsq is not None else 1,
         ADD_RESIDUAL=residual is not None, UPCAST=not x.is_cuda, W_FP8=fp8, NORM_X=fp8 and sumsq is not None,
         PRECISION="ieee" if weight.dtype == torch.float32 else "tf32",  # fp32 weights: no silent tf32
-        SPLIT=split_k > 1, num_warps=num_warps, num_stages=num_stages)
+        SPLIT=split_k > 1, PDL=use_pdl, launch_pdl=use_pdl, num_warps=num_warps, num_stages=num_stages)
     return (out, sumsq_out) if residual is not None else out

@@ -8,7 +8,9 @@ import re
 import pytest
 import torch
 
+from pagefleet.kernels import pdl
 from pagefleet.worker import LLM, SamplingParams, ops, precompile
+from pagefleet.worker.cuda_graphs import DecodeGraphs
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -138,6 +140,32 @@ def test_fp8_quantised_rows_change_nothing(tiny_models):
     fused = run()
     llm.engine.runner.model.fuse_fp8_quantisation = False
     assert run() == fused
+
+
+@pytest.mark.parametrize("quantization", [None, "fp8"])
+def test_pdl_decode_graphs_match_plain_ones(tiny_models, monkeypatch, quantization):
+    """Decode graphs whose GEMVs and attention launch with programmatic dependent launch (kernels/pdl.py,
+    on by default on Hopper) give bit for bit the tokens and logprobs of graphs captured without it: each
+    program waits for the kernel ahead of it."""
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("programmatic dependent launch needs Hopper")
+    assert pdl.ENABLED
+    llm = LLM(str(tiny_models["llama"]), dtype="bfloat16", quantization=quantization, max_model_len=512,
+              max_num_batched_tokens=512, max_num_seqs=16, gpu_memory_fraction=0.2)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=0)
+
+    def run():
+        outs = [o.outputs[0] for o in llm.generate(PROMPTS, params)]
+        assert sum(1 for s in llm.engine.recent_steps if s.num_decode_tokens and not s.num_prefill_tokens) >= 10
+        return [o.token_ids for o in outs], [[t.logprob for t in o.logprobs] for o in outs]
+
+    with_pdl = run()
+    runner = llm.engine.runner
+    monkeypatch.setattr(pdl, "ENABLED", False)
+    runner.graphs = DecodeGraphs(runner.model, runner.device, runner.graphs.sizes, runner.graphs.max_model_len,
+                                 runner.max_blocks_per_seq)
+    runner.graphs.capture()
+    assert run() == with_pdl
 
 
 @pytest.mark.parametrize("quantization", [None, "fp8"])

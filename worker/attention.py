@@ -51,8 +51,8 @@ class PagedAttention(nn.Module):
         self.v_cache = torch.empty(0)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-                cos_sin_cache: torch.Tensor) -> torch.Tensor:
-        """q [T, H, D], k/v [T, Hkv, D], before RoPE -> [T, H * D]."""
+                cos_sin_cache: torch.Tensor, pdl_chain: bool = False) -> torch.Tensor:
+        """q [T, H, D], k/v [T, Hkv, D], before RoPE -> [T, H * D]. pdl_chain: see ops.paged_decode_attention."""
         meta = get_attention_metadata()
         if not self.k_cache.numel():  # the profiling run has no cache
             q, k = ops.apply_rope(q, k, positions, cos_sin_cache)
@@ -61,7 +61,7 @@ class PagedAttention(nn.Module):
             # RoPE, the cache write and the attention in one launch: each new key is its sequence's last
             out = ops.paged_decode_attention(q, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens, self.scale,
                                              meta.max_seq_len, eager_step=True,
-                                             new_kv=(k, v, positions, cos_sin_cache, meta.slot_mapping))
+                                             new_kv=(k, v, positions, cos_sin_cache, meta.slot_mapping), pdl_chain=pdl_chain)
         else:
             # RoPE and the cache write are one kernel: the rotated keys go straight to their slots
             q = ops.rope_and_write_kv(q, k, v, positions, cos_sin_cache, self.k_cache, self.v_cache, meta.slot_mapping)

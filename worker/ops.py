@@ -170,9 +170,11 @@ def decode_warmup_batches(max_num_seqs: int, num_kv_heads: int) -> list[int]:
 
 
 def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len, out=None, eager_step=False,
-                           new_kv=None):
+                           new_kv=None, pdl_chain=False):
     """new_kv=(k, v, positions, cos_sin_cache, slot_mapping): q, k before RoPE; the same launch rotates them and
-    writes k, v to the cache (one launch fewer a layer than rope_and_write_kv first)."""
+    writes k, v to the cache (one launch fewer a layer than rope_and_write_kv first).
+    pdl_chain: q, k, v come straight from our GEMV, itself launched with programmatic dependent launch
+    (kernels/pdl.py), so this launch may be too. After a cuBLAS GEMM or a norm it measured slower (run T)."""
     if not _triton:
         return ref.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale=scale, max_seq_len=max_seq_len, out=out,
                                           new_kv=new_kv)
@@ -182,7 +184,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, m
     splits = 1 if eager_step and not torch.cuda.is_current_stream_capturing() else None
     return _triton["attention"].paged_decode_attention(
         q, k_cache, v_cache, block_tables, seq_lens, scale=scale, max_seq_len=max_seq_len, out=out, num_splits=splits,
-        new_kv=new_kv,
+        new_kv=new_kv, pdl_chain=pdl_chain,
     )
 
 

@@ -57,15 +57,17 @@ class Attention(nn.Module):
     def forward(self, positions: torch.Tensor, x: torch.Tensor, cos_sin_cache: torch.Tensor) -> torch.Tensor:
         return self.o_proj(self.attend(positions, self.qkv_proj(x), cos_sin_cache))
 
-    def attend(self, positions: torch.Tensor, qkv: torch.Tensor, cos_sin_cache: torch.Tensor) -> torch.Tensor:
-        """Packed q/k/v projections -> attention output [T, H * D], before o_proj."""
+    def attend(self, positions: torch.Tensor, qkv: torch.Tensor, cos_sin_cache: torch.Tensor,
+               pdl_chain: bool = False) -> torch.Tensor:
+        """Packed q/k/v projections -> attention output [T, H * D], before o_proj. pdl_chain: qkv comes
+        straight from our GEMV (ops.paged_decode_attention)."""
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        return self.attn(q, k, v, positions, cos_sin_cache)
+        return self.attn(q, k, v, positions, cos_sin_cache, pdl_chain and self.q_norm is None)
 
 
 class MLP(nn.Module):
@@ -110,7 +112,7 @@ class DecoderLayer(nn.Module):
         gate_up, down = self.mlp.gate_up_proj, self.mlp.down_proj
         qkv = ops.linear_normed(residual, qkv_proj.weight, qkv_proj.bias, sumsq, self.input_layernorm.eps,
                                 qkv_proj.weight_scale)
-        out = self.self_attn.attend(positions, qkv, cos_sin_cache)
+        out = self.self_attn.attend(positions, qkv, cos_sin_cache, pdl_chain=True)
         residual, sumsq = ops.linear_add(out, o_proj.weight, o_proj.bias, residual, o_proj.weight_scale)
         act = ops.linear_silu_and_mul(residual, gate_up.weight, gate_up.bias, sumsq, self.post_attention_layernorm.eps,
                                       gate_up.weight_scale)

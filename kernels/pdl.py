@@ -1,0 +1,28 @@
+"""Programmatic dependent launch (PDL, Hopper and later) for the GEMV and the decode attention.
+
+Launched with launch_pdl=True, a kernel is scheduled while the kernel ahead of it in the stream is still
+running; each of its programs calls gdc_wait() before touching memory, which returns once that kernel has
+exited and its writes are visible. Results do not change. What overlaps is the launch itself. H200, 8B
+shape, decode step at context 640 against graphs captured without it (benchmarks/decode_graphs_ab.py, arm
+no_pdl, run T): bf16 at batch 1 / 8 / 16 4.057 / 4.331 / 4.531 -> 4.032 / 4.311 / 4.502 ms, FP8 at 1 / 16 / 32
+2.731 / 3.205 / 4.331 -> 2.708 / 3.185 / 4.316. Only chains of our own kernels gain: the attention after a
+cuBLAS GEMM (bf16 from 17 rows) was 0.4 % slower launched this way, so it is only when pdl_chain says so.
+The release stays implicit (at exit). Run T's layer-stack probe (benchmarks/pdl_probe.py on the pdl-probe
+branch): releasing dependents at entry, as run I did, took a layer from 118.7 to 155.4 us at batch 1 (their
+programs sit in gdc_wait on SM slots the kernel ahead still needs); after the main loop, as run S did, from
+118.7 to 121.7.
+"""
+import functools
+
+import torch
+
+ENABLED = True  # benchmarks/decode_graphs_ab.py's arm no_pdl turns it off
+
+
+@functools.lru_cache(maxsize=None)
+def _hopper(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def active(t: torch.Tensor) -> bool:
+    return ENABLED and t.is_cuda and _hopper(t.device.index if t.device.index is not None else torch.cuda.current_device())
