@@ -25,6 +25,10 @@ import warnings
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import cuda as tl_cuda
+
+from . import pdl
+from .pdl import prefetch_l2
 
 from .arrivals import counters
 from .gemv_tiles import default_config, sm_count
@@ -97,7 +101,7 @@ def _skinny_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, sumsq_ptr, res_pt
                    HAS_BIAS: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    GATED: tl.constexpr, RMS_IN: tl.constexpr, SUMSQ_PAD: tl.constexpr, ADD_RESIDUAL: tl.constexpr,
                    UPCAST: tl.constexpr, PRECISION: tl.constexpr, W_FP8: tl.constexpr, NORM_X: tl.constexpr,
-                   SPLIT: tl.constexpr):
+                   SPLIT: tl.constexpr, PDL: tl.constexpr, PF_LINES: tl.constexpr, PF_STEP: tl.constexpr):
     """Program (n tile, k split): out rows of this n tile = x @ weight[n tile].T (+ bias), over one K slice.
 
     GATED: weight packs [gate; up] (2N rows) and out = silu(x @ gate.T) * (x @ up.T), [M, N]: the program
@@ -113,6 +117,10 @@ def _skinny_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, sumsq_ptr, res_pt
     the last to arrive (counts_ptr, one counter per n tile) sums them in split order and finishes, so a
     split GEMV is still one launch and its result does not depend on which split finished last.
     """
+    if PDL >= 2 and PDL <= 4:
+        tl_cuda.gdc_wait()
+    if PDL == 3:
+        tl_cuda.gdc_launch_dependents()
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, M_PAD)
@@ -127,6 +135,13 @@ def _skinny_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, sumsq_ptr, res_pt
     k_start = pid_k * k_per_split
     k_stop = tl.minimum(k_start + k_per_split, K)
     k_full = k_start + (k_stop - k_start) // BLOCK_K * BLOCK_K
+    if PDL == 5:  # the weight does not depend on the kernel before: its first tiles start coming now
+        pf = k_start + tl.arange(0, PF_LINES) * PF_STEP
+        pf_mask = pf < K
+        prefetch_l2(w_ptr + w_rows[:, None] + tl.where(pf_mask, pf, 0)[None, :])
+        if GATED:
+            prefetch_l2(w_ptr + w_rows[:, None] + N * stride_wn + tl.where(pf_mask, pf, 0)[None, :])
+        tl_cuda.gdc_wait()
     acc = tl.zeros([M_PAD, BLOCK_N], dtype=tl.float32)
     acc_up = acc
     n_mask = offs_n < N
@@ -159,6 +174,8 @@ def _skinny_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, sumsq_ptr, res_pt
         if k_full < k_stop:
             acc = _tile(acc, x_ptr, w_ptr, x_rows, m_mask, w_rows, k_full, k_stop, BLOCK_K, True, UPCAST, PRECISION,
                         W_FP8, rstd, NORM_X)
+    if PDL >= 4:
+        tl_cuda.gdc_launch_dependents()
     if SPLIT:
         width = 2 * N if GATED else N
         part_mask = m_mask[:, None] & n_mask[None, :]
@@ -248,5 +265,6 @@ def skinny_matmul(x, weight, bias=None, out=None, block_n=None, block_k=None, nu
         SUMSQ_PAD=triton.next_power_of_2(sumsq.shape[0]) if sumsq is not None else 1,
         ADD_RESIDUAL=residual is not None, UPCAST=not x.is_cuda, W_FP8=fp8, NORM_X=fp8 and sumsq is not None,
         PRECISION="ieee" if weight.dtype == torch.float32 else "tf32",  # fp32 weights: no silent tf32
-        SPLIT=split_k > 1, num_warps=num_warps, num_stages=num_stages)
+        SPLIT=split_k > 1, PDL=pdl.mode(x), launch_pdl=pdl.mode(x) > 0,
+        PF_LINES=triton.next_power_of_2(max(1, 2 * block_k * weight.element_size() // 128)), PF_STEP=128 // weight.element_size(), num_warps=num_warps, num_stages=num_stages)
     return (out, sumsq_out) if residual is not None else out
