@@ -7,8 +7,8 @@ shape, decode step at context 640 against graphs captured without it (benchmarks
 no_pdl, run T): bf16 at batch 1 / 8 / 16 4.057 / 4.331 / 4.531 -> 4.032 / 4.311 / 4.502 ms, FP8 at 1 / 16 / 32
 2.731 / 3.205 / 4.331 -> 2.708 / 3.185 / 4.316. Only chains of our own kernels gain: the attention after a
 cuBLAS GEMM (bf16 from 17 rows) was 0.4 % slower launched this way, so it is only when pdl_chain says so.
-The release stays implicit (at exit). Run T's layer-stack probe (benchmarks/pdl_probe.py on the pdl-probe
-branch): releasing dependents at entry, as run I did, took a layer from 118.7 to 155.4 us at batch 1 (their
+The release stays implicit (at exit). Run T's layer-stack probe (benchmarks/pdl_probe.py in commit
+8a6b275): releasing dependents at entry, as run I did, took a layer from 118.7 to 155.4 us at batch 1 (their
 programs sit in gdc_wait on SM slots the kernel ahead still needs); after the main loop, as run S did, from
 118.7 to 121.7.
 """
