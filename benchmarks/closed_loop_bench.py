@@ -17,8 +17,11 @@ Requests that finish in one step are replaced before the next, so their prompts 
 comes in waves, as it does through the server (its step traces at concurrency 16 show 14 prompts in a
 step), only more sharply.
 
+--alone 1,16 first times decode steps of those batch sizes by themselves (every sequence at context 640,
+the load's middle, as gpu_bench's roofline does) with the same period breakdown, to set beside the loop's.
+
 Usage: python3 benchmarks/closed_loop_bench.py [--model PATH] [--fp8] [--concurrency 1,4,16,32,64]
-       [--profile-steps 150]
+       [--profile-steps 150] [--alone 1,16]
 Without --model: the random Llama-3.1-8B-shaped checkpoint (benchmarks/make_checkpoint.py). On CPU with a
 tiny model it runs too (without the profiler window), which is how its test checks it.
 """
@@ -193,6 +196,31 @@ def run_level(eng: LLMEngine, concurrency: int, vocab: int, profile_steps: int, 
     }
 
 
+def alone(eng: LLMEngine, batch: int, context: int = 640, steps: int = 30) -> dict:
+    """Decode steps of `batch` sequences at `context` with nothing else running: ms a step, and the
+    profiled period breakdown."""
+    from gpu_bench import fake_prefilled
+
+    fake_prefilled(eng, batch, context)
+    for _ in range(3):
+        eng.step()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        eng.step()
+    torch.cuda.synchronize()
+    ms = (time.perf_counter() - start) / steps * 1e3
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            eng.step()
+        torch.cuda.synchronize()
+    for rid in list(eng.requests):
+        eng.abort_request(rid)
+    while eng.has_unfinished_requests() or eng.pending is not None:
+        eng.step()
+    return {"batch": batch, "context": context, "step_ms": ms, "step_periods": step_periods(prof)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", help="checkpoint folder (default: the 8B-shaped random checkpoint)")
@@ -200,6 +228,7 @@ def main() -> None:
     ap.add_argument("--concurrency", default="1,4,16,32,64")
     ap.add_argument("--profile-steps", type=int, default=150)
     ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--alone", default="", help="batch sizes to time alone first, e.g. 1,16 (GPU only)")
     args = ap.parse_args()
     model = args.model
     if model is None:
@@ -211,6 +240,10 @@ def main() -> None:
     eng = LLMEngine(EngineConfig(model=str(model), quantization="fp8" if args.fp8 else None, max_model_len=args.max_model_len,
                                  max_num_seqs=256, max_num_batched_tokens=8192))
     vocab = eng.model_config.vocab_size
+    for b in (int(x) for x in args.alone.split(",") if x):
+        row = alone(eng, b)
+        print(f"alone b={b} ctx={row['context']}: {row['step_ms']:.3f} ms a step", flush=True)
+        print_periods(f"alone b={b}", row["step_periods"])
     rows = []
     for i, c in enumerate(int(x) for x in args.concurrency.split(",")):
         row = run_level(eng, c, vocab, args.profile_steps, seed=i)
