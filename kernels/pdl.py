@@ -1,16 +1,21 @@
 """Programmatic dependent launch (PDL, Hopper and later) for the GEMV and the decode attention.
 
-Launched with launch_pdl=True, a kernel is scheduled while the kernel ahead of it in the stream is still
-running; each of its programs calls gdc_wait() before touching memory, which returns once that kernel has
-exited and its writes are visible. Results do not change. What overlaps is the launch itself. H200, 8B
-shape, decode step at context 640 against graphs captured without it (benchmarks/decode_graphs_ab.py, arm
-no_pdl, run T): bf16 at batch 1 / 8 / 16 4.057 / 4.331 / 4.531 -> 4.032 / 4.311 / 4.502 ms, FP8 at 1 / 16 / 32
-2.731 / 3.205 / 4.331 -> 2.708 / 3.185 / 4.316. Only chains of our own kernels gain: the attention after a
-cuBLAS GEMM (bf16 from 17 rows) was 0.4 % slower launched this way, so it is only when pdl_chain says so.
-The release stays implicit (at exit). Run T's layer-stack probe (benchmarks/pdl_probe.py in commit
-8a6b275): releasing dependents at entry, as run I did, took a layer from 118.7 to 155.4 us at batch 1 (their
-programs sit in gdc_wait on SM slots the kernel ahead still needs); after the main loop, as run S did, from
-118.7 to 121.7.
+Launched with launch_pdl=True, a kernel is scheduled while the kernel ahead of it in the stream still
+runs. Each of its programs calls gdc_wait() first, which returns once that kernel has exited and its
+writes are visible, so results do not change: what overlaps is the launch itself. The wait must stay
+ahead of every memory access, because the kernels share one buffer of arrival counters
+(kernels/arrivals.py) that a launch may touch only once the launch before it has reset them.
+
+H200, 8B shape, decode step at context 640 against graphs captured without it (run T,
+benchmarks/decode_graphs_ab.py arm no_pdl): bf16 at batch 1 / 8 / 16 4.057 / 4.331 / 4.531 -> 4.032 /
+4.311 / 4.502 ms; FP8 at 1 / 16 / 32 2.731 / 3.205 / 4.331 -> 2.708 / 3.185 / 4.316 ms. Only chains of our
+own kernels gain: after a cuBLAS GEMM (bf16 from 17 rows) the attention was 0.4 % slower launched this
+way, so it is launched so only when its caller says pdl_chain.
+
+The release stays implicit, at exit. Run T's layer-stack probe (benchmarks/pdl_probe.py in commit
+8a6b275): releasing dependents at entry, as run I did, took a layer from 118.7 to 155.4 us at batch 1 (the
+early programs sit in gdc_wait on SM slots the kernel ahead still needs); after the main loop, as run S
+did, from 118.7 to 121.7.
 """
 import functools
 
