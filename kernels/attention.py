@@ -242,8 +242,9 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale=No
     out = torch.empty_like(q) if out is None else out
     if B == 0:
         return out
-    use_pdl = pdl_chain and not (new_kv is not None and B >= ROPE_MAX_BATCH) and pdl.active(q)
-    if new_kv is not None and B >= ROPE_MAX_BATCH:
+    rope_first = new_kv is not None and B >= ROPE_MAX_BATCH
+    use_pdl = pdl_chain and not rope_first and pdl.active(q)
+    if rope_first:
         k_new, v_new, positions, cos_sin, slots = new_kv
         q, new_kv = rope_and_write_kv(q, k_new, v_new, positions, cos_sin, k_cache, v_cache, slots), None
     auto_splits, auto_block_n, auto_warps = decode_config(B, Hkv)
