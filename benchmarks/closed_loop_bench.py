@@ -93,8 +93,8 @@ def step_periods(prof, marker: str = "_argmax_kernel", top: int = 12) -> dict:
         span_end, prev = last.get(i, (marks[i], "(period start)"))
         if start > span_end:
             gaps[f"{prev[:28]} -> {name[:28]}"] += start - span_end
-        busy += end - max(start, span_end) if end > span_end else 0
-        if end > span_end:
+        if end > span_end:  # the part of this op not already covered by one before it
+            busy += end - max(start, span_end)
             last[i] = (end, name)
     for i in steady:  # the idle before the next period's sampling launch
         span_end, prev = last.get(i, (marks[i], "(period start)"))
@@ -199,7 +199,7 @@ def run_level(eng: LLMEngine, concurrency: int, vocab: int, profile_steps: int, 
 def alone(eng: LLMEngine, batch: int, context: int = 640, steps: int = 30) -> dict:
     """Decode steps of `batch` sequences at `context` with nothing else running: ms a step, and the
     profiled period breakdown."""
-    from gpu_bench import fake_prefilled
+    from gpu_bench import abort_all, fake_prefilled
 
     fake_prefilled(eng, batch, context)
     for _ in range(3):
@@ -214,10 +214,7 @@ def alone(eng: LLMEngine, batch: int, context: int = 640, steps: int = 30) -> di
         for _ in range(steps):
             eng.step()
         torch.cuda.synchronize()
-    for rid in list(eng.requests):
-        eng.abort_request(rid)
-    while eng.has_unfinished_requests() or eng.pending is not None:
-        eng.step()
+    abort_all(eng)
     return {"batch": batch, "context": context, "step_ms": ms, "step_periods": step_periods(prof)}
 
 

@@ -27,7 +27,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from gpu_bench import ROOT, copy_bandwidth, engine, fake_prefilled  # noqa: E402
+from gpu_bench import ROOT, abort_all, copy_bandwidth, engine, fake_prefilled  # noqa: E402
 from make_checkpoint import make_checkpoint  # noqa: E402
 
 from pagefleet.worker.sampling import SamplingParams  # noqa: E402
@@ -103,10 +103,7 @@ def breakdown(eng):
                 eng.runner.graphs = None
             r = profile_steps(eng, 8)
             eng.runner.graphs = graphs
-            for rid in list(eng.requests):
-                eng.abort_request(rid)
-            while eng.pending is not None:
-                eng.step()
+            abort_all(eng)
             rows[f"b{b}_{mode}"] = r
             kinds = ", ".join(f"{k} {v:.0f}" for k, v in sorted(r["by_kind"].items(), key=lambda kv: -kv[1]))
             print(f"batch {b} {mode}: wall {r['wall_us']:.0f} us/step, kernels {r['kernel_us']:.0f} us ({kinds})", flush=True)

@@ -229,6 +229,14 @@ def fake_prefilled(eng, batch, ctx):
         sched.running.append(seq)
 
 
+def abort_all(eng):
+    """Abort every request (fake_prefilled's, say) and step until the engine holds nothing."""
+    for rid in list(eng.requests):
+        eng.abort_request(rid)
+    while eng.has_unfinished_requests() or eng.pending is not None:
+        eng.step()
+
+
 @section("roofline")
 def roofline(eng):
     RESULTS["roofline"] = decode_steps(eng)
@@ -262,10 +270,7 @@ def decode_steps(eng, sizes=(1, 8, 64, 128, 256), contexts=(1024, 4096)):
             floor = (weight_bytes + b * (ctx + 10) * kv_per_token) / bw
             rows.append({"batch": b, "context": ctx, "step_ms": dt * 1e3, "floor_ms": floor * 1e3, "of_floor": floor / dt})
             print(f"decode b={b} ctx={ctx}: {dt * 1e3:.2f} ms/step, floor {floor * 1e3:.2f} ms -> {100 * floor / dt:.1f} %", flush=True)
-            for rid in list(eng.requests):
-                eng.abort_request(rid)
-            while eng.has_unfinished_requests() or eng.pending is not None:
-                eng.step()
+            abort_all(eng)
     return rows
 
 
