@@ -20,8 +20,11 @@ step), only more sharply.
 --alone 1,16 first times decode steps of those batch sizes by themselves (every sequence at context 640,
 the load's middle, as gpu_bench's roofline does) with the same period breakdown, to set beside the loop's.
 
+--budgets 8192,1024 runs every level under each token budget per step (--max-num-batched-tokens): a
+smaller one spreads each wave of prompts over more steps, which carry the running decodes along.
+
 Usage: python3 benchmarks/closed_loop_bench.py [--model PATH] [--fp8] [--concurrency 1,4,16,32,64]
-       [--profile-steps 150] [--alone 1,16]
+       [--profile-steps 150] [--alone 1,16] [--budgets 8192,2048,1024]
 Without --model: the random Llama-3.1-8B-shaped checkpoint (benchmarks/make_checkpoint.py). On CPU with a
 tiny model it runs too (without the profiler window), which is how its test checks it.
 """
@@ -191,7 +194,7 @@ def run_level(eng: LLMEngine, concurrency: int, vocab: int, profile_steps: int, 
         "ttft_p50_ms": pct(ttft, 0.5) * 1e3, "ttft_p99_ms": pct(ttft, 0.99) * 1e3,
         "itl_p50_ms": pct(itl, 0.5) * 1e3, "itl_p99_ms": pct(itl, 0.99) * 1e3,
         "output_tok_s": output_tokens / wall,
-        "steps": {k: {"count": len(v), "host_ms_p50": pct(v, 0.5) * 1e3} for k, v in kinds.items()},
+        "steps": {k: {"count": len(v), "host_ms_p50": pct(v, 0.5) * 1e3, "total_s": sum(v)} for k, v in kinds.items()},
         "gpu_busy_share": busy, "step_periods": periods,
     }
 
@@ -226,6 +229,8 @@ def main() -> None:
     ap.add_argument("--profile-steps", type=int, default=150)
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--alone", default="", help="batch sizes to time alone first, e.g. 1,16 (GPU only)")
+    ap.add_argument("--budgets", default="8192", help="token budgets per step to run the levels under, e.g. 8192,2048 "
+                    "(the engine is built with the largest; the scheduler's budget is lowered in place)")
     args = ap.parse_args()
     model = args.model
     if model is None:
@@ -234,31 +239,40 @@ def main() -> None:
 
         model = make_checkpoint("llama-3.1-8b", f"{ROOT}/llama-3.1-8b")
     # the serving benchmark's server flags (benchmarks/serve_bench.sh)
+    budgets = [int(x) for x in args.budgets.split(",")]
     eng = LLMEngine(EngineConfig(model=str(model), quantization="fp8" if args.fp8 else None, max_model_len=args.max_model_len,
-                                 max_num_seqs=256, max_num_batched_tokens=8192))
+                                 max_num_seqs=256, max_num_batched_tokens=max(budgets)))
     vocab = eng.model_config.vocab_size
     for b in (int(x) for x in args.alone.split(",") if x):
         row = alone(eng, b)
         print(f"alone b={b} ctx={row['context']}: {row['step_ms']:.3f} ms a step", flush=True)
         print_periods(f"alone b={b}", row["step_periods"])
     rows = []
-    for i, c in enumerate(int(x) for x in args.concurrency.split(",")):
-        row = run_level(eng, c, vocab, args.profile_steps, seed=i)
-        rows.append(row)
-        st = row["steps"]
-        busy = "-" if row["gpu_busy_share"] is None else f"{100 * row['gpu_busy_share']:.1f} %"
-        print(f"c={c}: TTFT p50/p99 {row['ttft_p50_ms']:.1f}/{row['ttft_p99_ms']:.1f} ms, ITL p50/p99 "
-              f"{row['itl_p50_ms']:.2f}/{row['itl_p99_ms']:.2f} ms, {row['output_tok_s']:.1f} tok/s | steps "
-              + ", ".join(f"{k} {v['count']} ({v['host_ms_p50']:.1f} ms)" for k, v in st.items())
-              + f" | GPU busy {busy}", flush=True)
-        print_periods(f"c={c}", row["step_periods"])
-    print("| concurrency | TTFT p50 / p99 (ms) | ITL p50 / p99 (ms) | tok/s | decode / prompt / mixed steps | GPU busy |")
-    print("|---|---|---|---|---|---|")
+    levels = [int(x) for x in args.concurrency.split(",")]
+    for j, budget in enumerate(budgets):
+        eng.scheduler.max_num_batched_tokens = budget
+        for i, c in enumerate(levels):  # fresh prompts for every run: no prefix-cache hits from an earlier one
+            row = run_level(eng, c, vocab, args.profile_steps, seed=j * len(levels) + i)
+            row["budget"] = budget
+            rows.append(row)
+            print_level(row)
+    print("| budget | concurrency | TTFT p50 / p99 (ms) | ITL p50 / p99 (ms) | tok/s | decode / prompt / mixed steps | GPU busy |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
         busy = "-" if r["gpu_busy_share"] is None else f"{100 * r['gpu_busy_share']:.1f} %"
         counts = " / ".join(str(r["steps"][k]["count"]) for k in ("decode", "prompt", "mixed"))
-        print(f"| {r['concurrency']} | {r['ttft_p50_ms']:.1f} / {r['ttft_p99_ms']:.1f} | {r['itl_p50_ms']:.2f} / "
+        print(f"| {r['budget']} | {r['concurrency']} | {r['ttft_p50_ms']:.1f} / {r['ttft_p99_ms']:.1f} | {r['itl_p50_ms']:.2f} / "
               f"{r['itl_p99_ms']:.2f} | {r['output_tok_s']:,.1f} | {counts} | {busy} |")
+
+
+def print_level(row: dict) -> None:
+    c, st = row["concurrency"], row["steps"]
+    busy = "-" if row["gpu_busy_share"] is None else f"{100 * row['gpu_busy_share']:.1f} %"
+    print(f"budget {row['budget']} c={c}: TTFT p50/p99 {row['ttft_p50_ms']:.1f}/{row['ttft_p99_ms']:.1f} ms, ITL p50/p99 "
+          f"{row['itl_p50_ms']:.2f}/{row['itl_p99_ms']:.2f} ms, {row['output_tok_s']:.1f} tok/s | steps "
+          + ", ".join(f"{k} {v['count']} ({v['host_ms_p50']:.1f} ms, {v['total_s']:.2f} s)" for k, v in st.items())
+          + f" | GPU busy {busy}", flush=True)
+    print_periods(f"c={c}", row["step_periods"])
 
 
 if __name__ == "__main__":
