@@ -214,6 +214,54 @@ def test_prompt_graphs_match_the_eager_path(tiny_models, monkeypatch, quantizati
 
 
 @pytest.mark.parametrize("quantization", [None, "fp8"])
+def test_mixed_graphs_match_the_eager_path(tiny_models, monkeypatch, quantization):
+    """Steps of a few decodes beside up to 4 prompt chunks of up to 1,024 tokens replay a captured graph
+    (worker/mixed_graphs.py), padded to their decode size and token bucket. Four sequences at a time,
+    ending at different lengths, so each waiting prompt (7 to 500 tokens) joins the others' decodes as a
+    slot frees. With logprobs (steps in turn) and without (overlapped steps, whose decodes read their last
+    token from the device into the padded rows) they give the eager path's tokens and logprobs, and
+    nothing compiles after start-up."""
+    from triton.runtime.jit import JITFunction
+
+    if quantization and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 needs Ada or Hopper")
+    forget_compiled_kernels()
+    llm = LLM(str(tiny_models["llama"]), dtype="bfloat16", quantization=quantization, max_model_len=1024,
+              max_num_batched_tokens=1024, max_num_seqs=4, gpu_memory_fraction=0.2, enable_prefix_caching=False)
+    runner = llm.engine.runner
+    mg = runner.mixed_graphs
+    assert mg is not None and sorted(mg.graphs) == mg.keys and mg.keys[-1] == (4, 1024)
+    compiled = []
+    do_compile = JITFunction._do_compile
+
+    def recording(self, key, *args, **kwargs):
+        compiled.append(self.fn.__name__)
+        return do_compile(self, key, *args, **kwargs)
+
+    monkeypatch.setattr(JITFunction, "_do_compile", recording)
+    lengths = [40, 20, 50, 30, 7, 25, 60, 300, 12, 64, 65, 500]
+    prompts = [list(range(1000 + 37 * i, 1000 + 37 * i + n)) for i, n in enumerate(lengths)]
+
+    def run(logprobs):
+        params = [SamplingParams(temperature=0.0, max_tokens=5 + 3 * i, ignore_eos=True, logprobs=logprobs)
+                  for i in range(len(prompts))]
+        outs = [o.outputs[0] for o in llm.generate(prompts, params)]
+        return [o.token_ids for o in outs], [[e.logprob for e in o.logprobs or []] for o in outs]
+
+    graphed = [run(0), run(None)]
+    replays = mg.replays
+    assert replays >= 12, replays  # 8 prompts join decodes in each run
+    assert compiled == [], compiled
+    runner.mixed_graphs = None
+    eager = [run(0), run(None)]
+    assert mg.replays == replays
+    assert all(graphed[0][1]) and not any(graphed[1][1])  # logprobs from the first run only
+    for (g_tokens, g_logprobs), (e_tokens, e_logprobs) in zip(graphed, eager):
+        assert g_tokens == e_tokens
+        assert max((abs(a - b) for ga, ea in zip(g_logprobs, e_logprobs) for a, b in zip(ga, ea)), default=0.0) <= 0.01
+
+
+@pytest.mark.parametrize("quantization", [None, "fp8"])
 def test_no_kernel_compiles_after_start_up(tiny_models, monkeypatch, quantization):
     """Triton compiles a kernel variant for each class of int divisibility and pointer alignment it meets,
     and one compiled mid-run stalls every running request (100-155 ms each in an H200 serving probe: the

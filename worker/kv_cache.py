@@ -6,6 +6,7 @@ import torch
 
 from pagefleet.worker.attention import AttentionMetadata, set_attention_metadata
 from pagefleet.worker.cuda_graphs import static_logits_bytes
+from pagefleet.worker.mixed_graphs import mixed_graph_bytes
 from pagefleet.worker.models import ModelConfig
 from pagefleet.worker.prompt_graphs import prompt_graph_bytes
 
@@ -87,7 +88,8 @@ def size_kv_cache(runner, config, mc: ModelConfig) -> int:
         free, total = torch.cuda.mem_get_info()
         reserve = 0 if config.enforce_eager else (
             GRAPH_RESERVE_BYTES + static_logits_bytes(mc, config.max_num_seqs, runner.dtype)
-            + prompt_graph_bytes(peak - weights, config.max_num_batched_tokens, mc.vocab_size, runner.dtype))
+            + prompt_graph_bytes(peak - weights, config.max_num_batched_tokens, mc.vocab_size, runner.dtype)
+            + mixed_graph_bytes(peak - weights, config.max_num_seqs, config.max_num_batched_tokens, mc.vocab_size, runner.dtype))
         # our share of the card, minus what we already use at peak; never more than is actually free
         available = int(min(total * config.gpu_memory_fraction - peak - reserve, free - reserve - (peak - torch.cuda.memory_allocated())))
         num_blocks = max(available, 0) // per_block

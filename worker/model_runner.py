@@ -2,8 +2,9 @@
 
 Builds input ids, positions, slot mapping and block tables from the scheduled batch, runs the model, and
 samples. A pure decode step replays a CUDA graph (cuda_graphs.py), a small prompt-only step one of the
-prompt graphs (prompt_graphs.py); mixed, large, LoRA and --enforce-eager steps run eagerly, on kernel
-variants compiled at start-up (warmup.py).
+prompt graphs (prompt_graphs.py), a few decodes beside small prompt chunks one of the mixed graphs
+(mixed_graphs.py); larger, LoRA and --enforce-eager steps run eagerly, on kernel variants compiled at
+start-up (warmup.py).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pagefleet.worker.config import EngineConfig
 from pagefleet.worker.cuda_graphs import DecodeGraphs, batch_sizes
 from pagefleet.worker.kv_cache import KVCache, profile_peak_bytes, size_kv_cache
 from pagefleet.worker.loader import build_model
+from pagefleet.worker.mixed_graphs import MixedGraphs, graph_keys
 from pagefleet.worker.lora import set_lora_mapping
 from pagefleet.worker.models import ModelConfig
 from pagefleet.worker.prompt_graphs import PromptGraphs, token_buckets
@@ -114,6 +116,7 @@ class ModelRunner:
         self.kv.bind(self.model)
         self.graphs: DecodeGraphs | None = None  # None: every step eager (--enforce-eager, CPU)
         self.prompt_graphs: PromptGraphs | None = None  # None: every prompt step eager
+        self.mixed_graphs: MixedGraphs | None = None  # None: every step mixing decodes and prompts eager
         if self.device.type == "cuda":
             warm_up(self, compile_share)
             if not config.enforce_eager:
@@ -126,6 +129,11 @@ class ModelRunner:
                     self.prompt_graphs = PromptGraphs(self.model, self.device, buckets, self.max_blocks_per_seq)
                     self.prompt_graphs.capture(compile_share, self.graphs.pool)
                     self.start_seconds["graphs"] += self.prompt_graphs.capture_seconds
+                    keys = graph_keys(config.max_num_seqs, buckets[-1])
+                    if keys:
+                        self.mixed_graphs = MixedGraphs(self.model, self.device, keys, max_model_len, self.max_blocks_per_seq)
+                        self.mixed_graphs.capture(compile_share, self.graphs.pool)
+                        self.start_seconds["graphs"] += self.mixed_graphs.capture_seconds
             if compile_workers is not None:
                 compile_workers.mark_warm()
 
@@ -193,6 +201,15 @@ class ModelRunner:
                 self._feed_device_tokens(pg.tokens[0, : tokens.shape[1]], feed)
             logits = pg.replay(bucket, len(logits_rows))  # a prompt chunk that samples nothing still writes its K/V
             return logits if logits_rows else None
+        mg = self.mixed_graphs
+        if (num_decodes and mg is not None and lora_mapping is None
+                and mg.fits(num_decodes, n - num_decodes, tokens.shape[1] - num_decodes)):
+            key, moved = mg.stage(tokens, seq_lens, cu, tables, logits_rows, num_decodes)
+            if feed is not None:  # the feed's rows follow the tokens to their padded rows
+                rows = np.full(sum(key), -1, dtype=np.int64)
+                rows[moved] = feed[0]
+                self._feed_device_tokens(mg.tokens[0, : sum(key)], (rows, feed[1]))
+            return mg.replay(key, len(logits_rows))  # decodes sample, so logits_rows is never empty
         # mixed, large prompt, LoRA and over-sized steps: eager
         tokens_d = self._upload_rows(tokens)
         set_attention_metadata(self._eager_metadata(tokens_d[2], tables, seq_lens, cu, num_decodes, is_decode))

@@ -44,8 +44,8 @@ class PromptGraphs:
         self.tokens[2].fill_(-1)
         # seq lens, query offsets and block tables in one int32 buffer (one host-to-device copy a step), each
         # part 16-byte aligned: Triton compiles a kernel variant per pointer alignment
-        self.width = _align4(max_blocks_per_seq)
-        self.cu_at, self.tables_at = _align4(s), _align4(s) + _align4(s + 1)
+        self.width = align4(max_blocks_per_seq)
+        self.cu_at, self.tables_at = align4(s), align4(s) + align4(s + 1)
         self.ints = torch.zeros(self.tables_at + s * self.width, dtype=torch.int32, device=device)
         self.seq_lens, self.cu_seqlens_q = self.ints[:s], self.ints[self.cu_at : self.cu_at + s + 1]
         self.block_tables = self.ints[self.tables_at :].view(s, self.width)
@@ -104,5 +104,6 @@ class PromptGraphs:
         return next(b for b in self.buckets if b >= num_tokens)
 
 
-def _align4(n: int) -> int:
+def align4(n: int) -> int:
+    """n rounded up to a multiple of 4: int32 parts that start there are 16-byte aligned."""
     return -(-n // 4) * 4

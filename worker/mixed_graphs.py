@@ -1,0 +1,139 @@
+"""Steps that mix decodes with small prompt chunks as CUDA graphs: one graph per (decode rows, prompt tokens) pair.
+
+Run eagerly, such a step launches about 400 kernels from Python, and on the H200 the host took 18-32 ms a
+step whatever its size, against 5.7-15 ms of GPU time for 16-64 decodes beside 64-512 prompt tokens
+(benchmarks/mixed_step_bench.py). Every running sequence waits for that step: a prompt that arrives while
+others decode (most prompts, on a server) stalled them all for the host's time, not the GPU's.
+
+A step of at most MAX_SEQS prompt chunks (up to the largest prompt graph's tokens in all) behind up to
+DECODE_SIZES[-1] decodes is laid out as [decode rows, padded to a decode size][prompt tokens, padded to a token bucket].
+Padding decode rows see one key and write nowhere, as in the decode graphs; padding tokens write nowhere
+and padding prompt sequences own no tokens, as in the prompt graphs. The decodes go through the decode
+kernel and the chunks through the prefill kernel, as in an eager mixed step, and the lm_head runs inside
+the graph on the rows that sample.
+
+With graphs for these steps a small token budget pays: `--max-num-batched-tokens 1024` spreads a wave of
+prompts over steps that carry the running decodes along, where the GEMMs have compute to spare
+(docs/benchmarks.md, run U).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from pagefleet.worker.attention import AttentionMetadata, set_attention_metadata
+from pagefleet.worker.cuda_graphs import capture_each
+from pagefleet.worker.prompt_graphs import MAX_SEQS, align4, token_buckets
+
+DECODE_SIZES = (8, 16, 32, 64)  # a padding decode row costs a GEMM row and one key: coarse sizes are cheap
+TOKEN_BUCKETS = (64, 128, 256, 384, 512, 640, 768, 1024)  # 640: a 564-token prompt; 32 graphs: 1.3 s to capture on the H200
+
+
+def graph_keys(max_num_seqs: int, max_tokens: int) -> list[tuple[int, int]]:
+    """(decode rows, prompt tokens) of each graph, prompt tokens up to max_tokens (the largest prompt graph's
+    bucket). A mixed step holds at most max_num_seqs - 1 decodes."""
+    sizes = sorted({min(d, max_num_seqs) for d in DECODE_SIZES})
+    return [(d, t) for d in sizes for t in TOKEN_BUCKETS if t <= max_tokens]
+
+
+def mixed_graph_bytes(activation_peak: int, max_num_seqs: int, max_num_batched_tokens: int, vocab_size: int,
+                      dtype: torch.dtype) -> int:
+    """What the mixed graphs add to the prompt graphs' reserve: their static logits, and the activations of
+    the rows their padded decodes put past the largest prompt graph's (at the profiled step's rate a token)."""
+    buckets = token_buckets(max_num_batched_tokens)
+    keys = graph_keys(max_num_seqs, buckets[-1]) if buckets else []
+    if not keys:
+        return 0
+    extra_rows = max(d + t for d, t in keys) - buckets[-1]
+    return (activation_peak * extra_rows // max_num_batched_tokens
+            + (min(DECODE_SIZES[-1], max_num_seqs) + MAX_SEQS) * vocab_size * dtype.itemsize)
+
+
+class MixedGraphs:
+    def __init__(self, model, device: torch.device, keys: list[tuple[int, int]], max_model_len: int, max_blocks_per_seq: int):
+        self.model = model
+        self.keys = keys
+        self.decode_sizes = sorted({d for d, _ in keys})
+        self.max_model_len = max_model_len
+        d, t, s = self.decode_sizes[-1], max(t for _, t in keys), MAX_SEQS
+        self.tokens = torch.zeros(3, d + t, dtype=torch.long, device=device)  # input ids, positions, slots
+        self.tokens[2].fill_(-1)
+        # decode seq lens and block tables, then the prompt chunks' seq lens, query offsets and block tables, in
+        # one int32 buffer (one host-to-device copy a step), each part 16-byte aligned as Triton wants
+        self.width = align4(max_blocks_per_seq)
+        self.at = {"dec_tables": align4(d)}
+        self.at["seq_lens"] = self.at["dec_tables"] + d * self.width
+        self.at["cu"] = self.at["seq_lens"] + align4(s)
+        self.at["tables"] = self.at["cu"] + align4(s + 1)
+        self.ints = torch.zeros(self.at["tables"] + s * self.width, dtype=torch.int32, device=device)
+        self.dec_seq_lens = self.ints[:d]
+        self.dec_tables = self.ints[self.at["dec_tables"] : self.at["seq_lens"]].view(d, self.width)
+        self.seq_lens = self.ints[self.at["seq_lens"] : self.at["seq_lens"] + s]
+        self.cu_seqlens_q = self.ints[self.at["cu"] : self.at["cu"] + s + 1]
+        self.block_tables = self.ints[self.at["tables"] :].view(s, self.width)
+        self.logits_rows = torch.zeros(d + s, dtype=torch.long, device=device)
+        self.logits = torch.empty(d + s, model.lm_head.weight.shape[0], dtype=model.lm_head.weight.dtype, device=device)
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.capture_seconds = 0.0
+        self.replays = 0  # mixed steps run as a graph (tests, benchmarks)
+
+    def fits(self, num_decodes: int, num_prompts: int, prompt_tokens: int) -> bool:
+        return (0 < num_decodes <= self.decode_sizes[-1] and 0 < num_prompts <= MAX_SEQS
+                and self._key(num_decodes, prompt_tokens) is not None)
+
+    @torch.inference_mode()
+    def capture(self, share: tuple[int, int] | None = None, pool=None) -> None:
+        """share (i, n): a compile worker's slice. pool: the decode graphs' memory pool (one graph runs at a time)."""
+        self.graphs, _, self.capture_seconds = capture_each(self.keys, self._forward, self.tokens.device, share, pool)
+        print(f"pagefleet: captured {len(self.graphs)} mixed CUDA graphs (decodes {self.decode_sizes[0]}..{self.decode_sizes[-1]}"
+              f" beside prompt tokens {TOKEN_BUCKETS[0]}..{max(t for _, t in self.keys)}) in {self.capture_seconds:.1f}s", flush=True)
+
+    def _forward(self, key: tuple[int, int]) -> None:
+        d, t = key
+        ids, positions, slots = self.tokens
+        set_attention_metadata(AttentionMetadata(
+            slot_mapping=slots[: d + t], block_tables=self.dec_tables[:d], seq_lens=self.dec_seq_lens[:d],
+            cu_seqlens_q=self.cu_seqlens_q, max_seq_len=self.max_model_len, is_decode=False, num_decodes=d,
+            prefill_block_tables=self.block_tables, prefill_seq_lens=self.seq_lens, prefill_cu_seqlens_q=self.cu_seqlens_q))
+        hidden = self.model(ids[: d + t], positions[: d + t])
+        self.model.compute_logits(hidden[self.logits_rows], out=self.logits)
+        set_attention_metadata(None)
+
+    def stage(self, tokens: np.ndarray, seq_lens: np.ndarray, cu: np.ndarray, tables: np.ndarray, logits_rows: list[int],
+              num_decodes: int) -> tuple[tuple[int, int], np.ndarray]:
+        """Copy one step's inputs (decodes first, as the scheduler orders them) into the static buffers, padded;
+        -> (the graph to replay, each unpadded token row's row in the padded layout)."""
+        nd, total = num_decodes, tokens.shape[1]
+        prompts = len(seq_lens) - nd
+        d, t = key = self._key(nd, total - nd)
+        moved = np.arange(total)
+        moved[nd:] += d - nd  # the prompt tokens start after the padded decode rows
+        padded = np.zeros((3, d + t), dtype=np.int64)
+        padded[2] = -1  # padding rows and tokens write nowhere
+        padded[:, moved] = tokens
+        ints = np.zeros(self.ints.shape[0], dtype=np.int32)
+        ints[:nd] = seq_lens[:nd]
+        ints[nd : self.decode_sizes[-1]] = 1  # a padding decode row sees one key
+        ints[self.at["dec_tables"] : self.at["seq_lens"]].reshape(-1, self.width)[:nd, : tables.shape[1]] = tables[:nd]
+        at = self.at["seq_lens"]
+        ints[at : at + prompts] = seq_lens[nd:]  # padding sequences: no keys ...
+        ints[self.at["cu"] : self.at["cu"] + MAX_SEQS + 1] = cu[-1] - cu[nd]  # ... and no queries
+        ints[self.at["cu"] : self.at["cu"] + prompts + 1] = cu[nd:] - cu[nd]
+        ints[self.at["tables"] :].reshape(MAX_SEQS, self.width)[:prompts, : tables.shape[1]] = tables[nd:]
+        rows = np.zeros(self.logits_rows.shape[0], dtype=np.int64)
+        rows[: len(logits_rows)] = moved[logits_rows]
+        self.tokens[:, : d + t].copy_(torch.from_numpy(padded), non_blocking=True)
+        self.ints.copy_(torch.from_numpy(ints), non_blocking=True)
+        self.logits_rows.copy_(torch.from_numpy(rows), non_blocking=True)
+        return key, moved
+
+    def replay(self, key: tuple[int, int], num_rows: int) -> torch.Tensor:
+        """Run the staged step; -> logits [num_rows, vocab] (a view of the static buffer, valid until the next replay)."""
+        self.graphs[key].replay()
+        self.replays += 1
+        return self.logits[:num_rows]
+
+    def _key(self, num_decodes: int, prompt_tokens: int) -> tuple[int, int] | None:
+        d = next((s for s in self.decode_sizes if s >= num_decodes), None)
+        return next(((d, t) for dd, t in self.keys if dd == d and t >= prompt_tokens), None)
