@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import re
 import signal
 import subprocess
@@ -539,6 +540,27 @@ def test_bench_serve_reports_every_level_and_traces_it(server, tmp_path):
         assert sum(st["num_prefill_tokens"] for st in steps) == 8 * 24
         assert all(0 <= st["start_s"] <= r["wall_s"] for st in steps)
     assert max(st["num_seqs"] for st in levels[1]["server_steps"]) > 1  # concurrency 4 was batched
+
+
+def test_bench_serve_open_loop_paces_arrivals_at_each_request_rate(server, tmp_path):
+    """--request-rate: requests arrive at Poisson times (seeded) whatever is in flight. At 4/s the level lasts
+    at least as long as its drawn gaps; at 1000/s they all land at once and are in flight together."""
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, "-m", "pagefleet", "bench", "serve", "--base-url", server.url, "--api-key", KEY,
+           "--input-len", "24", "--output-len", "6", "--request-rate", "4", "1000", "--num-requests", "6",
+           "--prompt-format", "ids", "--seed", "3", "--json-out", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "| request rate (/s) | TTFT p50 / p99 (ms)" in done.stdout and "| most in flight |" in done.stdout
+    rows = json.loads(out.read_text())
+    assert [(r["request_rate"], r["concurrency"]) for r in rows] == [(4, None), (1000, None)]
+    for r in rows:
+        assert (r["requests"], r["errors"], r["short_outputs"]) == (6, 0, 0)
+    gaps = random.Random(3 + 1)  # the bench's arrival draws: 5 gaps a level
+    assert rows[0]["wall_s"] >= sum(gaps.expovariate(4) for _ in range(5))
+    assert rows[1]["max_in_flight"] > 1
+    refused = subprocess.run(cmd[:-2] + ["--request-rate", "0"], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert refused.returncode == 2 and "--request-rate must be > 0" in refused.stderr
 
 
 @pytest.mark.parametrize("flag", ["--json-out", "--trace-out"])

@@ -4,6 +4,11 @@ At concurrency c, max(16, 4c) streaming /v1/completions requests (564 input / 12
 ignore_eos), each of c slots sending its next request as soon as its last one finished. Reports TTFT and
 inter-token latency p50 / p99, output tok/s, and the scaling against concurrency 1.
 
+`--request-rate R ...` replaces the closed loop with an open one, as `vllm bench serve --request-rate`:
+requests arrive at R a second on average (Poisson: exponential gaps, seeded), whatever is in flight, so
+prompts land one by one beside running decodes instead of in waves; each level also reports the most
+requests that were in flight at once.
+
 Exact prompt lengths: `--prompt-format words` sends N words "t<id>", which is N tokens when the server's
 checkpoint has the word-level tokenizer that `--write-word-tokenizer DIR` writes ("t0" ... "tN", split on
 whitespace); `--prompt-format ids` sends token ids and needs no tokenizer change.
@@ -29,7 +34,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--input-len", type=int, default=564)
     a("--output-len", type=int, default=128)
     a("--concurrency", type=int, nargs="+", default=[1, 4, 8, 16, 32, 64])
-    a("--num-requests", type=int, default=None, help="per concurrency (default: max(16, 4c))")
+    a("--num-requests", type=int, default=None, help="per level (default: max(16, 4c); 64 a request rate)")
+    a("--request-rate", type=float, nargs="+", default=None,
+      help="open-loop levels instead: requests a second, Poisson arrivals (replaces --concurrency)")
     a("--prompt-format", choices=["words", "ids"], default="words")
     a("--vocab-low", type=int, default=100, help="prompt tokens are drawn from [low, high)")
     a("--vocab-high", type=int, default=None, help="default: the server's vocabulary size")
@@ -115,25 +122,43 @@ def _pct(values: list[float], q: float) -> float:
     return values[lo] + (values[hi] - values[lo]) * (k - lo)
 
 
-async def _level(session, args, headers: dict, model: str, prompts: list, concurrency: int) -> tuple[dict, list[Result], float]:
+async def _level(session, args, headers: dict, model: str, prompts: list, concurrency: int | None,
+                 rate: float | None = None, gaps: random.Random | None = None) -> tuple[dict, list[Result], float]:
+    """Closed loop (concurrency slots) or, with rate, open loop (Poisson arrivals drawn from gaps)."""
     url = args.base_url.rstrip("/") + "/v1/completions"
     todo = list(prompts)
     results: list[Result] = []
+    in_flight = peak = 0
+
+    async def send(prompt) -> None:
+        nonlocal in_flight, peak
+        body = {"model": model, "prompt": prompt, "max_tokens": args.output_len, "ignore_eos": True,
+                "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
+        in_flight += 1
+        peak = max(peak, in_flight)
+        results.append(await _one(session, url, headers, body))
+        in_flight -= 1
 
     async def slot():
         while todo:
-            prompt = todo.pop()
-            body = {"model": model, "prompt": prompt, "max_tokens": args.output_len, "ignore_eos": True,
-                    "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
-            results.append(await _one(session, url, headers, body))
+            await send(todo.pop())
+
+    async def arrivals():
+        sent = []
+        for i, prompt in enumerate(todo):
+            if i:
+                await asyncio.sleep(gaps.expovariate(rate))
+            sent.append(asyncio.create_task(send(prompt)))
+        await asyncio.gather(*sent)
 
     start = time.perf_counter()
-    await asyncio.gather(*(slot() for _ in range(concurrency)))
+    await (arrivals() if rate else asyncio.gather(*(slot() for _ in range(concurrency))))
     wall = time.perf_counter() - start
     ok = [r for r in results if r.error is None]
     tokens = sum(r.output_tokens for r in ok)
     return {
-        "concurrency": concurrency, "requests": len(results), "errors": len(results) - len(ok),
+        "concurrency": concurrency, "request_rate": rate, "max_in_flight": peak,
+        "requests": len(results), "errors": len(results) - len(ok),
         "first_error": next((r.error for r in results if r.error), None),
         "short_outputs": sum(1 for r in ok if r.output_tokens != args.output_len),
         "ttft_p50_ms": 1e3 * _pct([r.ttft for r in ok], 50), "ttft_p99_ms": 1e3 * _pct([r.ttft for r in ok], 99),
@@ -163,16 +188,18 @@ async def _main(args) -> list[dict]:
 
         await _level(session, args, headers, model, [prompt()], 1)  # warm-up, not reported
         rows, trace = [], []
-        for c in args.concurrency:
-            n = args.num_requests or max(16, 4 * c)
-            row, results, start = await _level(session, args, headers, model, [prompt() for _ in range(n)], c)
+        gaps = random.Random(args.seed + 1)  # arrival times apart from the prompts: the same prompts at every rate
+        levels = [(None, r) for r in args.request_rate] if args.request_rate else [(c, None) for c in args.concurrency]
+        for c, rate in levels:
+            n = args.num_requests or (64 if rate else max(16, 4 * c))
+            row, results, start = await _level(session, args, headers, model, [prompt() for _ in range(n)], c, rate, gaps)
             rows.append(row)
-            print(f"  c={c}: {row['requests']} requests, {row['errors']} errors, {row['output_tok_s']:.1f} tok/s",
-                  file=sys.stderr, flush=True)
+            print(f"  {_level_name(row)}: {row['requests']} requests, {row['errors']} errors, "
+                  f"{row['output_tok_s']:.1f} tok/s", file=sys.stderr, flush=True)
             if args.trace_out:
                 async with session.get(base + "/debug/steps", headers=headers) as resp:
                     steps = (await resp.json())["recent_steps"] if resp.status == 200 else []  # not a pagefleet server
-                trace.append(_trace(c, results, steps, start))
+                trace.append({**_trace(c, results, steps, start), "request_rate": rate})
     if args.trace_out:
         with open(args.trace_out, "w") as f:
             json.dump(trace, f, indent=1)
@@ -190,14 +217,22 @@ def _trace(concurrency: int, results: list[Result], steps: list[dict], start: fl
     }
 
 
+def _level_name(row: dict) -> str:
+    return f"rate {row['request_rate']:g}/s" if row["request_rate"] else f"c={row['concurrency']}"
+
+
 def format_table(rows: list[dict]) -> str:
+    open_loop = bool(rows) and bool(rows[0]["request_rate"])
     base = next((r["output_tok_s"] for r in rows if r["concurrency"] == 1), None)
-    lines = ["| concurrency | TTFT p50 / p99 (ms) | inter-token p50 / p99 (ms) | output tok/s | scaling |",
-             "|---|---|---|---|---|"]
+    lines = [f"| {'request rate (/s)' if open_loop else 'concurrency'} | TTFT p50 / p99 (ms) | inter-token p50 / p99 (ms) "
+             f"| output tok/s | {'most in flight' if open_loop else 'scaling'} |", "|---|---|---|---|---|"]
     for r in rows:
-        scaling = f"{r['output_tok_s'] / base:.1f}×" if base else "—"
-        lines.append(f"| {r['concurrency']} | {r['ttft_p50_ms']:.1f} / {r['ttft_p99_ms']:.1f} | "
-                     f"{r['itl_p50_ms']:.2f} / {r['itl_p99_ms']:.2f} | {r['output_tok_s']:,.1f} | {scaling} |")
+        if open_loop:
+            level, last = f"{r['request_rate']:g}", str(r["max_in_flight"])
+        else:
+            level, last = str(r["concurrency"]), f"{r['output_tok_s'] / base:.1f}×" if base else "—"
+        lines.append(f"| {level} | {r['ttft_p50_ms']:.1f} / {r['ttft_p99_ms']:.1f} | "
+                     f"{r['itl_p50_ms']:.2f} / {r['itl_p99_ms']:.2f} | {r['output_tok_s']:,.1f} | {last} |")
     return "\n".join(lines)
 
 
@@ -210,11 +245,15 @@ def run(args: argparse.Namespace) -> int:
             # said now, not after a run of minutes whose results would then have nowhere to go
             print(f"pagefleet bench serve: {flag} {path}: {folder} is not a writable folder", file=sys.stderr)
             return 2
+    if args.request_rate and min(args.request_rate) <= 0:
+        print(f"pagefleet bench serve: --request-rate must be > 0 (inf: all at once), got {min(args.request_rate):g}",
+              file=sys.stderr)
+        return 2
     rows = asyncio.run(_main(args))
     print(format_table(rows))
     bad = [r for r in rows if r["errors"] or r["short_outputs"]]
     for r in bad:
-        print(f"c={r['concurrency']}: {r['errors']} errors ({r['first_error']}), "
+        print(f"{_level_name(r)}: {r['errors']} errors ({r['first_error']}), "
               f"{r['short_outputs']} outputs not {args.output_len} tokens", file=sys.stderr)
     if args.json_out:
         with open(args.json_out, "w") as f:
