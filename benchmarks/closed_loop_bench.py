@@ -38,6 +38,7 @@ import statistics
 import sys
 import time
 from collections import Counter
+from dataclasses import dataclass, field
 
 import torch
 
@@ -119,22 +120,68 @@ def print_periods(label: str, report: dict) -> None:
             print(f"    {kind[:-3]:4s} {us:8.1f} µs  {name}", flush=True)
 
 
+@dataclass
+class Tally:
+    """Each request's first token and the gaps between its tokens, timed as the engine hands them out."""
+
+    arrived: dict[str, float] = field(default_factory=dict)  # request id -> time.perf_counter() it arrived
+    seen: dict[str, int] = field(default_factory=dict)
+    last: dict[str, float] = field(default_factory=dict)
+    ttft: list[float] = field(default_factory=list)
+    itl: list[float] = field(default_factory=list)
+    output_tokens: int = 0
+
+    def arrive(self, rid: str, at: float) -> None:
+        self.arrived[rid], self.seen[rid] = at, 0
+
+    def shift(self, seconds: float) -> None:
+        """Move every clock on by seconds (time that was not serving: the profiler's start and teardown)."""
+        for times in (self.arrived, self.last):
+            for rid in times:
+                times[rid] += seconds
+
+    def record(self, outs, now: float) -> int:
+        """Count a step's outputs; -> how many requests finished."""
+        finished = 0
+        for out in outs:
+            rid, n = out.request_id, len(out.outputs[0].token_ids)
+            if n > self.seen[rid]:
+                if self.seen[rid] == 0:
+                    self.ttft.append(now - self.arrived[rid])
+                else:  # a step may hand over two tokens at once (an overlapped step read late): count each gap
+                    self.itl += [(now - self.last[rid]) / (n - self.seen[rid])] * (n - self.seen[rid])
+                self.output_tokens += n - self.seen[rid]
+                self.seen[rid], self.last[rid] = n, now
+            finished += out.finished
+        return finished
+
+    def summary(self, wall: float) -> dict:
+        return {"output_tokens": self.output_tokens, "output_tok_s": self.output_tokens / wall,
+                "ttft_p50_ms": pct(self.ttft, 0.5) * 1e3, "ttft_p99_ms": pct(self.ttft, 0.99) * 1e3,
+                "itl_p50_ms": pct(self.itl, 0.5) * 1e3, "itl_p99_ms": pct(self.itl, 0.99) * 1e3}
+
+
+def steps_by_kind(eng: LLMEngine, steps_before: int) -> dict:
+    """The engine's steps since steps_before by kind (decode only, prompt only, mixed): count, host time p50, total."""
+    kinds = {"decode": [], "prompt": [], "mixed": []}
+    for s in list(eng.recent_steps)[-(eng.steps_total - steps_before):]:
+        kind = "mixed" if s.num_prefill_tokens and s.num_decode_tokens else "prompt" if s.num_prefill_tokens else "decode"
+        kinds[kind].append(s.duration_s)
+    return {k: {"count": len(v), "host_ms_p50": pct(v, 0.5) * 1e3, "total_s": sum(v)} for k, v in kinds.items()}
+
+
 def run_level(eng: LLMEngine, concurrency: int, vocab: int, profile_steps: int, seed: int) -> dict:
     rng = random.Random(seed)
     total = max(16, 4 * concurrency)
     params = SamplingParams(temperature=0.0, max_tokens=OUTPUT_TOKENS, ignore_eos=True, detokenize=False)
+    tally = Tally()
     sent = 0
-    added: dict[str, float] = {}
-    seen: dict[str, int] = {}
-    last: dict[str, float] = {}
-    ttft, itl = [], []
-    output_tokens = 0
 
     def send() -> None:
         nonlocal sent
         rid = f"c{concurrency}-{sent}"
         eng.add_request(rid, [rng.randrange(100, vocab) for _ in range(PROMPT_TOKENS)], params)
-        added[rid], seen[rid] = time.perf_counter(), 0
+        tally.arrive(rid, time.perf_counter())
         sent += 1
 
     def hide(seconds: float) -> None:
@@ -142,9 +189,7 @@ def run_level(eng: LLMEngine, concurrency: int, vocab: int, profile_steps: int, 
         move every clock past them."""
         nonlocal start
         start += seconds
-        for times in (added, last):
-            for rid in times:
-                times[rid] += seconds
+        tally.shift(seconds)
 
     for _ in range(min(concurrency, total)):
         send()
@@ -168,35 +213,14 @@ def run_level(eng: LLMEngine, concurrency: int, vocab: int, profile_steps: int, 
             prof.__exit__(None, None, None)
             busy, periods, prof = gpu_busy_share(prof, wall), step_periods(prof), None
             hide(time.perf_counter() - paused)
-        now = time.perf_counter()
-        for out in outs:
-            n = len(out.outputs[0].token_ids)
-            if n > seen[out.request_id]:
-                if seen[out.request_id] == 0:
-                    ttft.append(now - added[out.request_id])
-                else:  # a step may hand over two tokens at once (an overlapped step read late): count each gap
-                    gap = (now - last[out.request_id]) / (n - seen[out.request_id])
-                    itl += [gap] * (n - seen[out.request_id])
-                output_tokens += n - seen[out.request_id]
-                seen[out.request_id], last[out.request_id] = n, now
-            if out.finished and sent < total:
+        for _ in range(tally.record(outs, time.perf_counter())):
+            if sent < total:
                 send()
     wall = time.perf_counter() - start
     if prof is not None:  # the run ended inside the window
         prof.__exit__(None, None, None)
-    steps = list(eng.recent_steps)[-(eng.steps_total - steps_before):]
-    kinds = {"decode": [], "prompt": [], "mixed": []}
-    for s in steps:
-        kind = "mixed" if s.num_prefill_tokens and s.num_decode_tokens else "prompt" if s.num_prefill_tokens else "decode"
-        kinds[kind].append(s.duration_s)
-    return {
-        "concurrency": concurrency, "requests": total, "output_tokens": output_tokens,
-        "ttft_p50_ms": pct(ttft, 0.5) * 1e3, "ttft_p99_ms": pct(ttft, 0.99) * 1e3,
-        "itl_p50_ms": pct(itl, 0.5) * 1e3, "itl_p99_ms": pct(itl, 0.99) * 1e3,
-        "output_tok_s": output_tokens / wall,
-        "steps": {k: {"count": len(v), "host_ms_p50": pct(v, 0.5) * 1e3, "total_s": sum(v)} for k, v in kinds.items()},
-        "gpu_busy_share": busy, "step_periods": periods,
-    }
+    return {"concurrency": concurrency, "requests": total, **tally.summary(wall),
+            "steps": steps_by_kind(eng, steps_before), "gpu_busy_share": busy, "step_periods": periods}
 
 
 def alone(eng: LLMEngine, batch: int, context: int = 640, steps: int = 30) -> dict:
