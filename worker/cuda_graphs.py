@@ -70,7 +70,7 @@ class DecodeGraphs:
         self.cu_seqlens_q = torch.arange(m + 1, dtype=torch.int32, device=device)
         self.logits = torch.empty(m, model.lm_head.weight.shape[0], dtype=model.lm_head.weight.dtype, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.pool = None  # the graphs' memory pool, which the prompt graphs share (one graph runs at a time)
+        self.pool = None  # the graphs' memory pool, which the prompt and mixed graphs share (one graph runs at a time)
         self.capture_seconds = 0.0
 
     @torch.inference_mode()

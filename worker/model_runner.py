@@ -210,7 +210,7 @@ class ModelRunner:
                 rows[moved] = feed[0]
                 self._feed_device_tokens(mg.tokens[0, : sum(key)], (rows, feed[1]))
             return mg.replay(key, len(logits_rows))  # decodes sample, so logits_rows is never empty
-        # mixed, large prompt, LoRA and over-sized steps: eager
+        # larger mixed and prompt steps, LoRA and over-sized steps: eager
         tokens_d = self._upload_rows(tokens)
         set_attention_metadata(self._eager_metadata(tokens_d[2], tables, seq_lens, cu, num_decodes, is_decode))
         set_lora_mapping(lora_mapping)
