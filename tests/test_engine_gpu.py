@@ -40,6 +40,21 @@ def forget_compiled_kernels():
                 obj.device_caches.clear()
 
 
+def record_compiles(monkeypatch) -> list[tuple[str, str]]:
+    """From here on, each Triton kernel variant this process compiles: (kernel name, the start of its key)."""
+    from triton.runtime.jit import JITFunction
+
+    compiled = []
+    do_compile = JITFunction._do_compile
+
+    def recording(self, key, *args, **kwargs):
+        compiled.append((self.fn.__name__, str(key)[:200]))
+        return do_compile(self, key, *args, **kwargs)
+
+    monkeypatch.setattr(JITFunction, "_do_compile", recording)
+    return compiled
+
+
 def chosen_logprobs(model, prompt, tokens):
     """transformers' logprob of each generated token after prompt + the tokens before it."""
     with torch.inference_mode():
@@ -175,8 +190,6 @@ def test_prompt_graphs_match_the_eager_path(tiny_models, monkeypatch, quantizati
     logprobs (on the H200: bit for bit; the bound leaves room for a GEMM that picks another algorithm at the
     padded row count, not for a padding row that writes K/V or a logit taken from the wrong row), and
     nothing compiles after start-up. The eager path itself is held to transformers by the tests above."""
-    from triton.runtime.jit import JITFunction
-
     if quantization and torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("fp8 needs Ada or Hopper")
     forget_compiled_kernels()
@@ -185,14 +198,7 @@ def test_prompt_graphs_match_the_eager_path(tiny_models, monkeypatch, quantizati
     runner = llm.engine.runner
     pg = runner.prompt_graphs
     assert pg is not None and sorted(pg.graphs) == pg.buckets and pg.buckets[-1] == 1024
-    compiled = []
-    do_compile = JITFunction._do_compile
-
-    def recording(self, key, *args, **kwargs):
-        compiled.append(self.fn.__name__)
-        return do_compile(self, key, *args, **kwargs)
-
-    monkeypatch.setattr(JITFunction, "_do_compile", recording)
+    compiled = record_compiles(monkeypatch)
     # steps: 1 x 5 tokens, 64, 65 + 3, 1000 + a 24-token chunk (samples nothing), then its last 6 beside a
     # decode (eager), 4 prompts of 650 in all, 5 prompts (eager), 1001, 2
     lengths = [[5], [64], [65, 3], [1000, 30], [300, 200, 100, 50], [9, 8, 7, 6, 5], [1001], [2]]
@@ -221,8 +227,6 @@ def test_mixed_graphs_match_the_eager_path(tiny_models, monkeypatch, quantizatio
     slot frees. With logprobs (steps in turn) and without (overlapped steps, whose decodes read their last
     token from the device into the padded rows) they give the eager path's tokens and logprobs, and
     nothing compiles after start-up."""
-    from triton.runtime.jit import JITFunction
-
     if quantization and torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("fp8 needs Ada or Hopper")
     forget_compiled_kernels()
@@ -231,14 +235,7 @@ def test_mixed_graphs_match_the_eager_path(tiny_models, monkeypatch, quantizatio
     runner = llm.engine.runner
     mg = runner.mixed_graphs
     assert mg is not None and sorted(mg.graphs) == mg.keys and mg.keys[-1] == (4, 1024)
-    compiled = []
-    do_compile = JITFunction._do_compile
-
-    def recording(self, key, *args, **kwargs):
-        compiled.append(self.fn.__name__)
-        return do_compile(self, key, *args, **kwargs)
-
-    monkeypatch.setattr(JITFunction, "_do_compile", recording)
+    compiled = record_compiles(monkeypatch)
     lengths = [40, 20, 50, 30, 7, 25, 60, 300, 12, 64, 65, 500]
     prompts = [list(range(1000 + 37 * i, 1000 + 37 * i + n)) for i, n in enumerate(lengths)]
 
@@ -277,14 +274,7 @@ def test_no_kernel_compiles_after_start_up(tiny_models, monkeypatch, quantizatio
     forget_compiled_kernels()  # the engine's start-up alone must make every variant the workload needs
     llm = LLM(str(tiny_models["llama"]), dtype="bfloat16", quantization=quantization, max_model_len=512,
               max_num_batched_tokens=48, max_num_seqs=16, gpu_memory_fraction=0.2)
-    compiled = []
-    do_compile = JITFunction._do_compile
-
-    def recording(self, key, *args, **kwargs):
-        compiled.append((self.fn.__name__, str(key)[:200]))
-        return do_compile(self, key, *args, **kwargs)
-
-    monkeypatch.setattr(JITFunction, "_do_compile", recording)
+    compiled = record_compiles(monkeypatch)
     lengths = (7, 20, 33, 150, 301, 2, 64, 9, 1, 47, 5, 128)
     prompts = [list(range(1000 + i, 1000 + i + n)) for i, n in enumerate(lengths)]
     kinds = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
