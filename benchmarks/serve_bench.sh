@@ -2,6 +2,8 @@
 # Serving benchmark on one GPU: `pagefleet serve` on a random-weight Llama-3.1-8B-shape checkpoint with a
 # word-level tokenizer (a prompt of N words is N tokens), then `pagefleet bench serve` against it.
 # Usage: benchmarks/serve_bench.sh OUT_DIR [MODEL_DIR [extra `pagefleet serve` flags, e.g. --quantization fp8]]
+# CONCURRENCY="1 4 8 16 32 64" sets the closed-loop levels; RATES="4 8 12" adds open-loop levels after them
+# (Poisson arrivals, `pagefleet bench serve --request-rate`, 64 requests each, in serve_rates.json).
 set -euo pipefail
 out=${1:?OUT_DIR}; model=${2:-/dev/shm/pagefleet/llama-3.1-8b}
 mkdir -p "$out"
@@ -21,3 +23,7 @@ echo "process start to /ready: ${ready}s" | tee "$out/serve_ready.txt"
 python3 -m pagefleet bench serve --base-url http://127.0.0.1:$port --input-len 564 --output-len 128 \
   --concurrency ${CONCURRENCY:-1 4 8 16 32 64} --json-out "$out/serve_bench.json" --trace-out "$out/serve_trace.json" \
   2>&1 | tee "$out/serve_bench.txt"
+if [ -n "${RATES:-}" ]; then
+  python3 -m pagefleet bench serve --base-url http://127.0.0.1:$port --input-len 564 --output-len 128 \
+    --request-rate $RATES --seed 1 --json-out "$out/serve_rates.json" 2>&1 | tee "$out/serve_rates.txt"
+fi
