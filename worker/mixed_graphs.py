@@ -1,7 +1,7 @@
 """Steps that mix decodes with small prompt chunks as CUDA graphs: one graph per (decode rows, prompt tokens) pair.
 
 Run eagerly, such a step launches about 400 kernels from Python, and on the H200 the host took 18-32 ms a
-step whatever its size, against 5.7-15 ms of GPU time for 16-64 decodes beside 64-512 prompt tokens
+step whatever its size, against 5.7-16 ms of GPU time for 16-64 decodes beside 64-512 prompt tokens
 (benchmarks/mixed_step_bench.py). Every running sequence waits for that step: a prompt that arrives while
 others decode (most prompts, on a server) stalled them all for the host's time, not the GPU's.
 
