@@ -59,16 +59,17 @@ class MixedGraphs:
         d, t, s = self.decode_sizes[-1], max(t for _, t in keys), MAX_SEQS
         self.tokens = torch.zeros(3, d + t, dtype=torch.long, device=device)  # input ids, positions, slots
         self.tokens[2].fill_(-1)
-        # decode seq lens and block tables, then the prompt chunks' seq lens, query offsets and block tables, in
-        # one int32 buffer (one host-to-device copy a step), each part 16-byte aligned as Triton wants
+        # The decodes' seq lens, then the prompt chunks' seq lens, query offsets and block tables, in one int32
+        # buffer (one host-to-device copy a step), each part 16-byte aligned as Triton wants. The decodes' block
+        # tables stand apart: a step copies only its own rows and columns of them (64 full rows are 512 KB at
+        # a 32k-token max_model_len), as the decode graphs do.
         self.width = align4(max_blocks_per_seq)
-        self.at = {"dec_tables": align4(d)}
-        self.at["seq_lens"] = self.at["dec_tables"] + d * self.width
+        self.dec_tables = torch.zeros(d, self.width, dtype=torch.int32, device=device)
+        self.at = {"seq_lens": align4(d)}
         self.at["cu"] = self.at["seq_lens"] + align4(s)
         self.at["tables"] = self.at["cu"] + align4(s + 1)
         self.ints = torch.zeros(self.at["tables"] + s * self.width, dtype=torch.int32, device=device)
         self.dec_seq_lens = self.ints[:d]
-        self.dec_tables = self.ints[self.at["dec_tables"] : self.at["seq_lens"]].view(d, self.width)
         self.seq_lens = self.ints[self.at["seq_lens"] : self.at["seq_lens"] + s]
         self.cu_seqlens_q = self.ints[self.at["cu"] : self.at["cu"] + s + 1]
         self.block_tables = self.ints[self.at["tables"] :].view(s, self.width)
@@ -114,8 +115,7 @@ class MixedGraphs:
         padded[:, moved] = tokens
         ints = np.zeros(self.ints.shape[0], dtype=np.int32)
         ints[:nd] = seq_lens[:nd]
-        ints[nd : self.decode_sizes[-1]] = 1  # a padding decode row sees one key
-        ints[self.at["dec_tables"] : self.at["seq_lens"]].reshape(-1, self.width)[:nd, : tables.shape[1]] = tables[:nd]
+        ints[nd : self.decode_sizes[-1]] = 1  # a padding decode row sees one key (of whatever block its row holds)
         at = self.at["seq_lens"]
         ints[at : at + prompts] = seq_lens[nd:]  # padding sequences: no keys ...
         ints[self.at["cu"] : self.at["cu"] + MAX_SEQS + 1] = cu[-1] - cu[nd]  # ... and no queries
@@ -125,6 +125,7 @@ class MixedGraphs:
         rows[: len(logits_rows)] = moved[logits_rows]
         self.tokens[:, : d + t].copy_(torch.from_numpy(padded), non_blocking=True)
         self.ints.copy_(torch.from_numpy(ints), non_blocking=True)
+        self.dec_tables[:nd, : tables.shape[1]].copy_(torch.from_numpy(tables[:nd]), non_blocking=True)
         self.logits_rows.copy_(torch.from_numpy(rows), non_blocking=True)
         return key, moved
 
