@@ -23,8 +23,8 @@ from pagefleet.worker.config import EngineConfig
 from pagefleet.worker.cuda_graphs import DecodeGraphs, batch_sizes
 from pagefleet.worker.kv_cache import KVCache, profile_peak_bytes, size_kv_cache
 from pagefleet.worker.loader import build_model
-from pagefleet.worker.mixed_graphs import MixedGraphs, graph_keys
 from pagefleet.worker.lora import set_lora_mapping
+from pagefleet.worker.mixed_graphs import MixedGraphs, graph_keys
 from pagefleet.worker.models import ModelConfig
 from pagefleet.worker.prompt_graphs import PromptGraphs, token_buckets
 from pagefleet.worker.sampler import Sampler
@@ -209,7 +209,8 @@ class ModelRunner:
                 rows = np.full(sum(key), -1, dtype=np.int64)
                 rows[moved] = feed[0]
                 self._feed_device_tokens(mg.tokens[0, : sum(key)], (rows, feed[1]))
-            return mg.replay(key, len(logits_rows))  # decodes sample, so logits_rows is never empty
+            logits = mg.replay(key, len(logits_rows))  # a 1-token chunk mid-prompt counts as a decode and samples nothing
+            return logits if logits_rows else None
         # larger mixed and prompt steps, LoRA and over-sized steps: eager
         tokens_d = self._upload_rows(tokens)
         set_attention_metadata(self._eager_metadata(tokens_d[2], tables, seq_lens, cu, num_decodes, is_decode))
