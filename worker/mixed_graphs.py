@@ -24,7 +24,7 @@ import torch
 
 from pagefleet.worker.attention import AttentionMetadata, set_attention_metadata
 from pagefleet.worker.cuda_graphs import capture_each
-from pagefleet.worker.prompt_graphs import MAX_SEQS, align4, token_buckets
+from pagefleet.worker.prompt_graphs import MAX_SEQS, ChunkInts, token_buckets
 
 DECODE_SIZES = (8, 16, 32, 64)  # a padding decode row costs a GEMM row and one key: coarse sizes are cheap
 TOKEN_BUCKETS = (64, 128, 256, 384, 512, 640, 768, 1024)  # 640: a 564-token prompt; 32 graphs: 1.3 s to capture on the H200
@@ -59,20 +59,13 @@ class MixedGraphs:
         d, t, s = self.decode_sizes[-1], max(t for _, t in keys), MAX_SEQS
         self.tokens = torch.zeros(3, d + t, dtype=torch.long, device=device)  # input ids, positions, slots
         self.tokens[2].fill_(-1)
-        # The decodes' seq lens, then the prompt chunks' seq lens, query offsets and block tables, in one int32
-        # buffer (one host-to-device copy a step), each part 16-byte aligned as Triton wants. The decodes' block
-        # tables stand apart: a step copies only its own rows and columns of them (64 full rows are 512 KB at
-        # a 32k-token max_model_len), as the decode graphs do.
-        self.width = align4(max_blocks_per_seq)
-        self.dec_tables = torch.zeros(d, self.width, dtype=torch.int32, device=device)
-        self.at = {"seq_lens": align4(d)}
-        self.at["cu"] = self.at["seq_lens"] + align4(s)
-        self.at["tables"] = self.at["cu"] + align4(s + 1)
-        self.ints = torch.zeros(self.at["tables"] + s * self.width, dtype=torch.int32, device=device)
-        self.dec_seq_lens = self.ints[:d]
-        self.seq_lens = self.ints[self.at["seq_lens"] : self.at["seq_lens"] + s]
-        self.cu_seqlens_q = self.ints[self.at["cu"] : self.at["cu"] + s + 1]
-        self.block_tables = self.ints[self.at["tables"] :].view(s, self.width)
+        # The decodes' seq lens lead the prompt chunks' int32 buffer (one host-to-device copy a step). Their
+        # block tables stand apart: a step copies only its own rows and columns of them (64 full rows are
+        # 512 KB at a 32k-token max_model_len), as the decode graphs do.
+        self.chunks = chunks = ChunkInts(d, max_blocks_per_seq, device)
+        self.dec_seq_lens = chunks.data[:d]
+        self.dec_tables = torch.zeros(d, chunks.width, dtype=torch.int32, device=device)
+        self.seq_lens, self.cu_seqlens_q, self.block_tables = chunks.seq_lens, chunks.cu_seqlens_q, chunks.block_tables
         self.logits_rows = torch.zeros(d + s, dtype=torch.long, device=device)
         self.logits = torch.empty(d + s, model.lm_head.weight.shape[0], dtype=model.lm_head.weight.dtype, device=device)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
@@ -106,25 +99,20 @@ class MixedGraphs:
         """Copy one step's inputs (decodes first, as the scheduler orders them) into the static buffers, padded;
         -> (the graph to replay, each unpadded token row's row in the padded layout)."""
         nd, total = num_decodes, tokens.shape[1]
-        prompts = len(seq_lens) - nd
         d, t = key = self._key(nd, total - nd)
         moved = np.arange(total)
         moved[nd:] += d - nd  # the prompt tokens start after the padded decode rows
         padded = np.zeros((3, d + t), dtype=np.int64)
         padded[2] = -1  # padding rows and tokens write nowhere
         padded[:, moved] = tokens
-        ints = np.zeros(self.ints.shape[0], dtype=np.int32)
+        ints = self.chunks.host()
         ints[:nd] = seq_lens[:nd]
         ints[nd : self.decode_sizes[-1]] = 1  # a padding decode row sees one key (of whatever block its row holds)
-        at = self.at["seq_lens"]
-        ints[at : at + prompts] = seq_lens[nd:]  # padding sequences: no keys ...
-        ints[self.at["cu"] : self.at["cu"] + MAX_SEQS + 1] = cu[-1] - cu[nd]  # ... and no queries
-        ints[self.at["cu"] : self.at["cu"] + prompts + 1] = cu[nd:] - cu[nd]
-        ints[self.at["tables"] :].reshape(MAX_SEQS, self.width)[:prompts, : tables.shape[1]] = tables[nd:]
+        self.chunks.pack(ints, seq_lens[nd:], cu[nd:] - cu[nd], tables[nd:])
         rows = np.zeros(self.logits_rows.shape[0], dtype=np.int64)
         rows[: len(logits_rows)] = moved[logits_rows]
         self.tokens[:, : d + t].copy_(torch.from_numpy(padded), non_blocking=True)
-        self.ints.copy_(torch.from_numpy(ints), non_blocking=True)
+        self.chunks.upload(ints)
         self.dec_tables[:nd, : tables.shape[1]].copy_(torch.from_numpy(tables[:nd]), non_blocking=True)
         self.logits_rows.copy_(torch.from_numpy(rows), non_blocking=True)
         return key, moved

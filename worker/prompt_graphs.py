@@ -42,13 +42,8 @@ class PromptGraphs:
         t, s = buckets[-1], MAX_SEQS
         self.tokens = torch.zeros(3, t, dtype=torch.long, device=device)  # input ids, positions, slots
         self.tokens[2].fill_(-1)
-        # seq lens, query offsets and block tables in one int32 buffer (one host-to-device copy a step), each
-        # part 16-byte aligned: Triton compiles a kernel variant per pointer alignment
-        self.width = align4(max_blocks_per_seq)
-        self.cu_at, self.tables_at = align4(s), align4(s) + align4(s + 1)
-        self.ints = torch.zeros(self.tables_at + s * self.width, dtype=torch.int32, device=device)
-        self.seq_lens, self.cu_seqlens_q = self.ints[:s], self.ints[self.cu_at : self.cu_at + s + 1]
-        self.block_tables = self.ints[self.tables_at :].view(s, self.width)
+        self.chunks = chunks = ChunkInts(0, max_blocks_per_seq, device)
+        self.seq_lens, self.cu_seqlens_q, self.block_tables = chunks.seq_lens, chunks.cu_seqlens_q, chunks.block_tables
         self.logits_rows = torch.zeros(s, dtype=torch.long, device=device)
         self.logits = torch.empty(s, model.lm_head.weight.shape[0], dtype=model.lm_head.weight.dtype, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -77,20 +72,17 @@ class PromptGraphs:
     def stage(self, tokens: np.ndarray, seq_lens: np.ndarray, cu: np.ndarray, tables: np.ndarray,
               logits_rows: list[int]) -> int:
         """Copy one step's inputs into the static buffers, padded; -> the bucket to replay."""
-        n, total = len(seq_lens), tokens.shape[1]
+        total = tokens.shape[1]
         t = self.bucket(total)
         padded = np.zeros((3, t), dtype=np.int64)
         padded[2] = -1  # padding tokens write nowhere
         padded[:, :total] = tokens
-        ints = np.zeros(self.ints.shape[0], dtype=np.int32)
-        ints[:n] = seq_lens  # padding sequences: no keys ...
-        ints[self.cu_at : self.cu_at + MAX_SEQS + 1] = cu[-1]  # ... and no queries
-        ints[self.cu_at : self.cu_at + n + 1] = cu
-        ints[self.tables_at :].reshape(MAX_SEQS, self.width)[:n, : tables.shape[1]] = tables
+        ints = self.chunks.host()
+        self.chunks.pack(ints, seq_lens, cu, tables)
         rows = np.zeros(MAX_SEQS, dtype=np.int64)
         rows[: len(logits_rows)] = logits_rows
         self.tokens[:, :t].copy_(torch.from_numpy(padded), non_blocking=True)
-        self.ints.copy_(torch.from_numpy(ints), non_blocking=True)
+        self.chunks.upload(ints)
         self.logits_rows.copy_(torch.from_numpy(rows), non_blocking=True)
         return t
 
@@ -102,6 +94,37 @@ class PromptGraphs:
 
     def bucket(self, num_tokens: int) -> int:
         return next(b for b in self.buckets if b >= num_tokens)
+
+
+class ChunkInts:
+    """Up to MAX_SEQS prompt chunks' seq lens, query offsets and block tables in one int32 device buffer (one
+    host-to-device copy a step), after `lead` int32s its owner keeps for itself. Each part starts 16-byte
+    aligned: Triton compiles a kernel variant per pointer alignment."""
+
+    def __init__(self, lead: int, max_blocks_per_seq: int, device: torch.device):
+        s = MAX_SEQS
+        self.width = align4(max_blocks_per_seq)
+        self.lens_at = align4(lead)
+        self.cu_at = self.lens_at + align4(s)
+        self.tables_at = self.cu_at + align4(s + 1)
+        self.data = torch.zeros(self.tables_at + s * self.width, dtype=torch.int32, device=device)
+        self.seq_lens = self.data[self.lens_at : self.lens_at + s]
+        self.cu_seqlens_q = self.data[self.cu_at : self.cu_at + s + 1]
+        self.block_tables = self.data[self.tables_at :].view(s, self.width)
+
+    def host(self) -> np.ndarray:
+        return np.zeros(self.data.shape[0], dtype=np.int32)
+
+    def pack(self, ints: np.ndarray, seq_lens: np.ndarray, cu: np.ndarray, tables: np.ndarray) -> None:
+        """Write the chunks (query offsets from 0) into the host copy ints, padded to MAX_SEQS."""
+        n = len(seq_lens)
+        ints[self.lens_at : self.lens_at + n] = seq_lens  # padding sequences: no keys ...
+        ints[self.cu_at : self.cu_at + MAX_SEQS + 1] = cu[-1]  # ... and no queries
+        ints[self.cu_at : self.cu_at + n + 1] = cu
+        ints[self.tables_at :].reshape(MAX_SEQS, self.width)[:n, : tables.shape[1]] = tables
+
+    def upload(self, ints: np.ndarray) -> None:
+        self.data.copy_(torch.from_numpy(ints), non_blocking=True)
 
 
 def align4(n: int) -> int:
