@@ -559,8 +559,10 @@ def test_bench_serve_open_loop_paces_arrivals_at_each_request_rate(server, tmp_p
     gaps = random.Random(3 + 1)  # the bench's arrival draws: 5 gaps a level
     assert rows[0]["wall_s"] >= sum(gaps.expovariate(4) for _ in range(5))
     assert rows[1]["max_in_flight"] > 1
-    refused = subprocess.run(cmd[:-2] + ["--request-rate", "0"], capture_output=True, text=True, cwd=tmp_path, timeout=120)
-    assert refused.returncode == 2 and "--request-rate must be > 0" in refused.stderr
+    for bad in ("0", "nan"):
+        refused = subprocess.run(cmd[:-2] + ["--request-rate", "4", bad], capture_output=True, text=True, cwd=tmp_path,
+                                 timeout=120)
+        assert refused.returncode == 2 and f"--request-rate must be > 0 (inf: all at once), got {bad}" in refused.stderr
 
 
 @pytest.mark.parametrize("flag", ["--json-out", "--trace-out"])

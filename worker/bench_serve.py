@@ -245,8 +245,9 @@ def run(args: argparse.Namespace) -> int:
             # said now, not after a run of minutes whose results would then have nowhere to go
             print(f"pagefleet bench serve: {flag} {path}: {folder} is not a writable folder", file=sys.stderr)
             return 2
-    if args.request_rate and min(args.request_rate) <= 0:
-        print(f"pagefleet bench serve: --request-rate must be > 0 (inf: all at once), got {min(args.request_rate):g}",
+    bad_rates = [r for r in args.request_rate or [] if not r > 0]  # nan too
+    if bad_rates:
+        print(f"pagefleet bench serve: --request-rate must be > 0 (inf: all at once), got {bad_rates[0]:g}",
               file=sys.stderr)
         return 2
     rows = asyncio.run(_main(args))
