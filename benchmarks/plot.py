@@ -13,7 +13,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 VLLM_STATIC = {1: 198.8, 8: 1334, 64: 6595, 128: 8527, 256: 9864}
 HF_STATIC = {1: 15.7, 8: 142, 64: 1110, 128: 2052}
 VLLM_SERVE = {1: 195, 4: 721, 8: 1308, 16: 2216, 32: 3420, 64: 4478}
-# the run plotted (docs/benchmarks.md): run R, the latest, bf16 and FP8 (its calls 3-5 ran on one machine)
+# the runs plotted (docs/benchmarks.md): static batches from run R, serving from run V (the latest of each,
+# bf16 and FP8 on one machine in both)
 
 
 def load(results: Path, name: str) -> dict | list:
@@ -24,8 +25,8 @@ def main(results: Path, out: Path) -> None:
     run = load(results, "r")
     bf16_static = run["call3_main"]["static"]
     fp8 = run["call5_main_offline"]["fp8"]
-    serve = run["call4_main_serve"]
-    bf16_serve, fp8_serve = serve["bf16"]["levels"], serve["fp8"]["levels"]
+    serve = load(results, "v")["call_1"]
+    bf16_serve, fp8_serve = serve["serve_bf16"], serve["serve_fp8"]
     fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
     batches = [1, 8, 64, 128, 256]
     x = range(len(batches))
@@ -49,7 +50,7 @@ def main(results: Path, out: Path) -> None:
     b.set_xscale("log", base=2)
     b.set_xlabel("concurrency (564 in / 128 out, streaming)")
     b.set_ylabel("output tok/s")
-    b.set_title("Serving, same H200")
+    b.set_title("Serving, same H200 (run V)")
     b.legend()
     fig.tight_layout()
     fig.savefig(out, dpi=110)
