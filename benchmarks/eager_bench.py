@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from pagefleet.worker.bench_throughput import draw_requests, run_engine  # noqa: E402
+from pagefleet.worker.bench_throughput import run_static  # noqa: E402
 from pagefleet.worker.config import EngineConfig  # noqa: E402
 from pagefleet.worker.engine import LLMEngine  # noqa: E402
 
@@ -32,9 +32,7 @@ PROMPT, OUTPUT = 512, 128
 
 def throughput(eng: LLMEngine, batch: int) -> float:
     """Output tok/s of `batch` requests of PROMPT in / OUTPUT out, after an untimed run of the same shapes."""
-    reqs = draw_requests(batch, batch, (PROMPT, PROMPT), (OUTPUT, OUTPUT), eng.model_config.vocab_size)
-    run_engine(eng, [(ids[::-1], 2) for ids, _ in reqs], warmup=False)  # same shapes, other prompts, untimed
-    return run_engine(eng, reqs, warmup=False)["output_tok_per_s"]
+    return run_static(eng, batch, PROMPT, OUTPUT)["output_tok_per_s"]
 
 
 def measure(settings: dict) -> dict:
@@ -65,16 +63,16 @@ def main() -> None:
     ap.add_argument("--dtypes", default="bf16,fp8")
     ap.add_argument("--model", help="checkpoint folder (default: the 8B-shaped random checkpoint)")
     args = ap.parse_args()
+    from gpu_bench import ROOT, engine_settings
+
     model = args.model
     if model is None:
-        from gpu_bench import ROOT
         from make_checkpoint import make_checkpoint
 
         model = make_checkpoint("llama-3.1-8b", f"{ROOT}/llama-3.1-8b")
     results = {}
     for dtype in args.dtypes.split(","):  # gpu_bench.py's settings but its sequence cap, which batches 1 and 8 never reach
-        results[dtype] = measure(dict(model=str(model), quantization="fp8" if dtype == "fp8" else None, max_model_len=4224,
-                                      max_num_seqs=512, max_num_batched_tokens=16384, gpu_memory_fraction=0.9))
+        results[dtype] = measure(engine_settings(str(model), quantization="fp8" if dtype == "fp8" else None, max_num_seqs=512))
         print(dtype, results[dtype], flush=True)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "eager_bench.json"), "w") as f:

@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from eager_bench import measure as measure_eager  # noqa: E402
 from make_checkpoint import make_checkpoint  # noqa: E402
 
-from pagefleet.worker.bench_throughput import draw_requests, run_engine, run_hf  # noqa: E402
+from pagefleet.worker.bench_throughput import draw_requests, run_engine, run_hf, run_static  # noqa: E402
 from pagefleet.worker.config import EngineConfig  # noqa: E402
 from pagefleet.worker.engine import LLMEngine  # noqa: E402
 from pagefleet.worker.sampling import SamplingParams  # noqa: E402
@@ -111,8 +111,8 @@ def engine_settings(path, **kw) -> dict:
     # vLLM's offline defaults on this GPU class (its anchor figures ran on them): 1024 sequences, 16384 batched
     # tokens. Only the 2048-request mixed workload runs past 512 at once (run V: 512 -> 1024 gave bf16 9,869 ->
     # 10,132 and FP8 12,458 -> 13,177 tok/s); decode graphs stop at 512 sequences either way.
-    return dict(model=path, max_model_len=4224, max_num_seqs=1024, max_num_batched_tokens=16384, gpu_memory_fraction=0.9,
-                **kw)
+    return {**dict(model=path, max_model_len=4224, max_num_seqs=1024, max_num_batched_tokens=16384,
+                   gpu_memory_fraction=0.9), **kw}
 
 
 def engine(path, **kw):
@@ -179,19 +179,14 @@ def hf_baseline(path):
     torch.cuda.empty_cache()
 
 
-def static_requests(batch, inp, out, vocab=128256):
-    """`batch` requests of exactly `inp` prompt and `out` output tokens (the anchors' draw, fixed lengths)."""
-    return draw_requests(batch, batch, (inp, inp), (out, out), vocab)
+STATIC_SHAPES = ((1, 512, 128), (8, 512, 128), (64, 512, 256), (128, 512, 256), (256, 512, 256))  # batch, in, out
 
 
 @section("static")
 def static(eng):
     rows = {}
-    for b, i, o in ((1, 512, 128), (8, 512, 128), (64, 512, 256), (128, 512, 256), (256, 512, 256)):
-        reqs = static_requests(b, i, o)
-        run_engine(eng, [(ids[::-1], 2) for ids, _ in reqs], warmup=False)  # same shapes once, untimed, other prompts
-        r = run_engine(eng, reqs, warmup=False)
-        rows[b] = r
+    for b, i, o in STATIC_SHAPES:
+        rows[b] = r = run_static(eng, b, i, o)
         print(f"batch {b}: {r['output_tok_per_s']:.1f} output tok/s ({r['seconds']:.2f}s)", flush=True)
     RESULTS["static"] = rows
 
@@ -283,10 +278,8 @@ def fp8(path):
     eng = engine(path, quantization="fp8")  # the bf16 sections' settings, so the figures compare
     rows = {"engine_init_s": time.time() - t}
     rows["decode_steps"] = decode_steps(eng, (1, 8, 16, 64, 128, 256))
-    for b, i, o in ((1, 512, 128), (8, 512, 128), (64, 512, 256), (128, 512, 256), (256, 512, 256)):
-        reqs = static_requests(b, i, o)
-        run_engine(eng, [(ids[::-1], 2) for ids, _ in reqs], warmup=False)
-        rows[f"static_{b}"] = run_engine(eng, reqs, warmup=False)
+    for b, i, o in STATIC_SHAPES:
+        rows[f"static_{b}"] = run_static(eng, b, i, o)
         print(f"fp8 batch {b}: {rows[f'static_{b}']['output_tok_per_s']:.1f} output tok/s", flush=True)
         RESULTS["fp8"] = rows
     for n, seed in ((256, 0), (2048, 1)):

@@ -21,17 +21,17 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+from gpu_bench import ROOT, engine  # noqa: E402
+from make_checkpoint import make_checkpoint  # noqa: E402
+
 from pagefleet.worker.bench_throughput import draw_requests, run_engine  # noqa: E402
-from pagefleet.worker.config import EngineConfig  # noqa: E402
-from pagefleet.worker.engine import LLMEngine  # noqa: E402
 
 SEEDS = {256: 0, 2048: 1}  # the anchors' draws
 
 
 def run_cap(model: str, fp8: bool, max_num_seqs: int, workloads: list[int], vocab: int = 128256) -> dict:
     """{workload: run_engine's figures} for one engine, with gpu_bench.py's other settings."""
-    eng = LLMEngine(EngineConfig(model=model, quantization="fp8" if fp8 else None, max_model_len=4224,
-                                 max_num_seqs=max_num_seqs, max_num_batched_tokens=16384, gpu_memory_fraction=0.9))
+    eng = engine(model, quantization="fp8" if fp8 else None, max_num_seqs=max_num_seqs)
     rows = {"kv_blocks": eng.block_manager.num_blocks}
     for n in workloads:
         rows[n] = run_engine(eng, draw_requests(n, SEEDS[n], (64, 1024), (32, 512), vocab), warmup=n == workloads[0])
@@ -51,9 +51,6 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", default="512,1024")
     ap.add_argument("--workloads", default="256,2048")
     args = ap.parse_args()
-    from gpu_bench import ROOT
-    from make_checkpoint import make_checkpoint
-
     model = make_checkpoint("llama-3.1-8b", f"{ROOT}/llama-3.1-8b")
     workloads = [int(n) for n in args.workloads.split(",")]
     results = {}

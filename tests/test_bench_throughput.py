@@ -42,3 +42,22 @@ def test_frozen_heap_unfreezes_after_an_error():
     except RuntimeError:
         pass
     assert gc.get_freeze_count() == 0
+
+
+def test_run_static_times_only_its_own_batch(tiny_models):
+    """The warm-up run of the same shapes goes untimed and uncounted; the timed run is the exact batch."""
+    from pagefleet.worker.bench_throughput import run_static
+
+    llm = LLM(str(tiny_models["llama"]), max_model_len=256, num_gpu_blocks_override=64, max_num_batched_tokens=64)
+    added = []
+    add = llm.engine.add_request
+
+    def recording_add(request_id, ids, params, **kw):
+        added.append((len(ids), params.max_tokens))
+        return add(request_id, ids, params, **kw)
+
+    llm.engine.add_request = recording_add
+    result = run_static(llm.engine, 3, 20, 5)
+    assert added == [(20, 2)] * 3 + [(20, 5)] * 3  # same shapes first, then the batch
+    assert result["requests"] == 3 and result["output_tokens"] == 3 * 5
+    assert llm.engine.block_manager.num_free_blocks == 64
