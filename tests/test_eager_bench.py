@@ -31,3 +31,12 @@ def test_every_arm_at_every_batch(tiny_models, monkeypatch):
     assert (eager.runner.graphs, eager.runner.prompt_graphs, eager.runner.mixed_graphs) == (None, None, None)
     assert not graphed.has_unfinished_requests() and not eager.has_unfinished_requests()
 
+
+
+def test_gpu_bench_settings_take_overrides():
+    """decode_graphs_ab.py, lone_prompt_bench.py, eager_bench.py and mixed_bench.py all override some of them."""
+    import gpu_bench
+
+    settings = gpu_bench.engine_settings("/m", max_num_seqs=64, gpu_memory_fraction=0.8, quantization="fp8")
+    assert settings == {"model": "/m", "max_model_len": 4224, "max_num_seqs": 64, "max_num_batched_tokens": 16384,
+                        "gpu_memory_fraction": 0.8, "quantization": "fp8"}
