@@ -63,6 +63,9 @@ def main() -> None:
     ap.add_argument("--dtypes", default="bf16,fp8")
     ap.add_argument("--model", help="checkpoint folder (default: the 8B-shaped random checkpoint)")
     args = ap.parse_args()
+    dtypes = args.dtypes.split(",")
+    if not set(dtypes) <= {"bf16", "fp8"}:
+        ap.error(f"--dtypes takes bf16, fp8 or both, got {args.dtypes}")
     from gpu_bench import ROOT, engine_settings
 
     model = args.model
@@ -71,7 +74,7 @@ def main() -> None:
 
         model = make_checkpoint("llama-3.1-8b", f"{ROOT}/llama-3.1-8b")
     results = {}
-    for dtype in args.dtypes.split(","):  # gpu_bench.py's settings but its sequence cap, which batches 1 and 8 never reach
+    for dtype in dtypes:  # gpu_bench.py's settings but its sequence cap, which batches 1 and 8 never reach
         results[dtype] = measure(engine_settings(str(model), quantization="fp8" if dtype == "fp8" else None, max_num_seqs=512))
         print(dtype, results[dtype], flush=True)
     os.makedirs(args.out, exist_ok=True)

@@ -90,6 +90,8 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=len(PROMPTS))
     ap.add_argument("--tokens", type=int, default=32)
     args = ap.parse_args()
+    if not (1 <= args.prompts <= len(PROMPTS) and args.tokens >= 1):
+        ap.error(f"--prompts takes 1..{len(PROMPTS)} and --tokens 1 or more")
     rows = {}
     llm = new_llm(args.model, "float32")
     ids, paths = greedy_paths(llm, PROMPTS[: args.prompts], args.tokens)

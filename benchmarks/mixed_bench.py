@@ -51,11 +51,15 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", default="512,1024")
     ap.add_argument("--workloads", default="256,2048")
     args = ap.parse_args()
+    dtypes, caps, workloads = args.dtypes.split(","), args.max_num_seqs.split(","), args.workloads.split(",")
+    if not set(dtypes) <= {"bf16", "fp8"} or not all(c.isdigit() and int(c) > 0 for c in caps) \
+            or not set(workloads) <= {str(n) for n in SEEDS}:
+        ap.error(f"--dtypes takes bf16,fp8; --max-num-seqs positive integers; --workloads {','.join(map(str, SEEDS))}")
     model = make_checkpoint("llama-3.1-8b", f"{ROOT}/llama-3.1-8b")
-    workloads = [int(n) for n in args.workloads.split(",")]
+    workloads = [int(n) for n in workloads]
     results = {}
-    for dtype in args.dtypes.split(","):
-        for cap in (int(c) for c in args.max_num_seqs.split(",")):
+    for dtype in dtypes:
+        for cap in map(int, caps):
             results[f"{dtype}_{cap}"] = run_cap(model, dtype == "fp8", cap, workloads)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "mixed_bench.json"), "w") as f:
