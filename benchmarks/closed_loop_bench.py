@@ -44,9 +44,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from pagefleet.worker import SamplingParams  # noqa: E402
-from pagefleet.worker.config import EngineConfig  # noqa: E402
-from pagefleet.worker.engine import LLMEngine  # noqa: E402
+from pagefleet.worker import SamplingParams# noqa: E402
+from pagefleet.worker.core.config import EngineConfig  # noqa: E402
+from pagefleet.worker.engine.llm_engine import LLMEngine  # noqa: E402
 
 PROMPT_TOKENS, OUTPUT_TOKENS = 564, 128
 

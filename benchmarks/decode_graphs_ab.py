@@ -37,8 +37,8 @@ from make_checkpoint import make_checkpoint  # noqa: E402
 
 from pagefleet.kernels import pdl  # noqa: E402
 from pagefleet.kernels import reference as ref  # noqa: E402
-from pagefleet.worker import ops  # noqa: E402
-from pagefleet.worker.cuda_graphs import DecodeGraphs  # noqa: E402
+from pagefleet.worker.models.layers import ops# noqa: E402
+from pagefleet.worker.executor.graphs.decode import DecodeGraphs  # noqa: E402
 
 
 def torch_embed_rows(ids, table):

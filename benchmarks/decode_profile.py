@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from gpu_bench import ROOT, abort_all, copy_bandwidth, engine, fake_prefilled  # noqa: E402
 from make_checkpoint import make_checkpoint  # noqa: E402
 
-from pagefleet.worker.sampling import SamplingParams  # noqa: E402
+from pagefleet.worker.core.sampling_params import SamplingParams  # noqa: E402
 
 OUT = sys.argv[1] if len(sys.argv) > 1 else "."
 SECTIONS = sys.argv[2:] or ["breakdown", "attention"]
@@ -114,7 +114,7 @@ def breakdown(eng):
 
 
 def mixed(eng):
-    from pagefleet.worker.bench_throughput import draw_requests, run_engine
+    from pagefleet.worker.entrypoints.cli.bench_throughput import draw_requests, run_engine
 
     rows = {}
     for n, seed in ((256, 0), (2048, 1)):
@@ -166,7 +166,7 @@ def prefill(eng):
 
 def trace(eng):
     """Mixed 256 with each step's record kept: where the wall time goes (prompt steps; decode steps by batch)."""
-    from pagefleet.worker.bench_throughput import draw_requests, run_engine
+    from pagefleet.worker.entrypoints.cli.bench_throughput import draw_requests, run_engine
 
     eng.recent_steps = collections.deque(maxlen=1 << 20)
     r = run_engine(eng, draw_requests(256, 0, (64, 1024), (32, 512), 128256), warmup=False)

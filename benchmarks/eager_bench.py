@@ -22,9 +22,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from pagefleet.worker.bench_throughput import run_static  # noqa: E402
-from pagefleet.worker.config import EngineConfig  # noqa: E402
-from pagefleet.worker.engine import LLMEngine  # noqa: E402
+from pagefleet.worker.entrypoints.cli.bench_throughput import run_static  # noqa: E402
+from pagefleet.worker.core.config import EngineConfig  # noqa: E402
+from pagefleet.worker.engine.llm_engine import LLMEngine  # noqa: E402
 
 BATCHES = (1, 8)
 PROMPT, OUTPUT = 512, 128

@@ -22,8 +22,8 @@ import torch
 
 from pagefleet.kernels.reference import quantize_weight_fp8
 from pagefleet.worker import LLM, SamplingParams
-from pagefleet.worker.fp8 import decoder_linears, quantize_linears_fp8
-from pagefleet.worker.outputs import TokenLogprobs
+from pagefleet.worker.models.layers.fp8 import decoder_linears, quantize_linears_fp8
+from pagefleet.worker.core.outputs import TokenLogprobs
 
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "Explain photosynthesis in two sentences.",
            "List three prime numbers.", "How do I boil an egg?", "What is 12 times 7?", "Name a famous painter.",

@@ -31,11 +31,11 @@ sys.path.insert(0, os.path.dirname(__file__))
 from eager_bench import measure as measure_eager  # noqa: E402
 from make_checkpoint import make_checkpoint  # noqa: E402
 
-from pagefleet.worker.bench_throughput import draw_requests, run_engine, run_hf, run_static  # noqa: E402
-from pagefleet.worker.config import EngineConfig  # noqa: E402
-from pagefleet.worker.engine import LLMEngine  # noqa: E402
-from pagefleet.worker.sampling import SamplingParams  # noqa: E402
-from pagefleet.worker.sequence import SequenceStatus  # noqa: E402
+from pagefleet.worker.entrypoints.cli.bench_throughput import draw_requests, run_engine, run_hf, run_static  # noqa: E402
+from pagefleet.worker.core.config import EngineConfig  # noqa: E402
+from pagefleet.worker.engine.llm_engine import LLMEngine  # noqa: E402
+from pagefleet.worker.core.sampling_params import SamplingParams  # noqa: E402
+from pagefleet.worker.core.sequence import SequenceStatus  # noqa: E402
 
 OUT = sys.argv[1] if len(sys.argv) > 1 else "."
 SECTIONS = sys.argv[2:] or ["ceilings", "correctness", "hf", "static", "eager", "mixed", "roofline", "startup"]

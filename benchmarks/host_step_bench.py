@@ -4,7 +4,7 @@ On the GPU a decode step's forward is one graph replay; what the engine thread d
 step arrays, sampling, appending tokens, detokenising, outputs) must stay well under the step itself. This
 runs a tiny model's engine with the forward replaced by ready logits (greedy onto a word token, so text
 grows as in real output) over N sequences, and prints ms per step with the text decoded through
-tokenizer.decode and through the Rust tokenizer directly (worker/detokenizer.py), alternating, each in a
+tokenizer.decode and through the Rust tokenizer directly (worker/core/detokenizer.py), alternating, each in a
 fresh engine. With `special`, greedy lands on a special token instead (EOS after EOS under ignore_eos):
 text stops growing, and the old decoder's windows grew by a token a step.
 Usage: python benchmarks/host_step_bench.py [sequences] [steps] [special]
@@ -18,10 +18,10 @@ from pathlib import Path
 import torch
 
 from pagefleet.worker import SamplingParams
-from pagefleet.worker.bench_serve import write_word_tokenizer
-from pagefleet.worker.config import EngineConfig
-from pagefleet.worker.detokenizer import TextDecoder
-from pagefleet.worker.engine import LLMEngine
+from pagefleet.worker.entrypoints.cli.bench_serve import write_word_tokenizer
+from pagefleet.worker.core.config import EngineConfig
+from pagefleet.worker.core.detokenizer import TextDecoder
+from pagefleet.worker.engine.llm_engine import LLMEngine
 
 VOCAB = 2048
 

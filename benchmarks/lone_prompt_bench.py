@@ -2,7 +2,7 @@
 benchmark's prompt), from the engine alone, under the idle gaps a real client leaves between requests.
 
 A short prompt step is bound by the host's kernel launches unless it replays a prompt graph
-(worker/prompt_graphs.py); how fast the host launches drifts after idle gaps (docs/benchmarks.md, run Q).
+(worker/executor/graphs/prompt.py); how fast the host launches drifts after idle gaps (docs/benchmarks.md, run Q).
 Each variant runs 16 prompts and reports the last 15: the prompt step's host time (the engine's own step
 record) and the first token, p50 and max, in ms.
 
@@ -18,7 +18,7 @@ sys.path.insert(0, "benchmarks")
 from gpu_bench import ROOT, engine  # noqa: E402
 from make_checkpoint import make_checkpoint  # noqa: E402
 
-from pagefleet.worker import SamplingParams  # noqa: E402
+from pagefleet.worker import SamplingParams# noqa: E402
 
 QUANT = "fp8" if "fp8" in sys.argv[1:] else None
 EAGER = "--enforce-eager" in sys.argv[1:]

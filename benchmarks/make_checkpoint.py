@@ -51,7 +51,7 @@ def tensor_shapes(c: dict) -> dict[str, tuple[int, ...]]:
 
 
 def make_checkpoint(name: str, folder: str, num_layers: int | None = None, std: float = 0.02, shard_bytes: int = 4 << 30) -> str:
-    from pagefleet.worker.bench_serve import write_word_tokenizer
+    from pagefleet.worker.entrypoints.cli.bench_serve import write_word_tokenizer
 
     config = dict(CONFIGS[name])
     if num_layers:

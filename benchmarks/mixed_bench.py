@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from gpu_bench import ROOT, engine  # noqa: E402
 from make_checkpoint import make_checkpoint  # noqa: E402
 
-from pagefleet.worker.bench_throughput import draw_requests, run_engine  # noqa: E402
+from pagefleet.worker.entrypoints.cli.bench_throughput import draw_requests, run_engine  # noqa: E402
 
 SEEDS = {256: 0, 2048: 1}  # the anchors' draws
 

@@ -10,7 +10,7 @@ up), steps of D decodes plus one fresh P-token prompt (max_tokens=1, so it leave
 the step's token budget at D + P. Per step: the GPU's busy time (the union of kernel intervals under the
 torch profiler) and the wall time (steps run back to back, as the engine runs them).
 
-Steps of at most 64 decodes beside at most 1,024 prompt tokens replay a mixed graph (worker/mixed_graphs.py);
+Steps of at most 64 decodes beside at most 1,024 prompt tokens replay a mixed graph (worker/executor/graphs/mixed.py);
 --eager-too runs each such step eagerly as well, in turn, on the same engine.
 
 Usage: python3 benchmarks/mixed_step_bench.py [--model PATH] [--fp8] [--decodes 16,32,64]
@@ -28,9 +28,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from pagefleet.worker import SamplingParams  # noqa: E402
-from pagefleet.worker.config import EngineConfig  # noqa: E402
-from pagefleet.worker.engine import LLMEngine  # noqa: E402
+from pagefleet.worker import SamplingParams# noqa: E402
+from pagefleet.worker.core.config import EngineConfig  # noqa: E402
+from pagefleet.worker.engine.llm_engine import LLMEngine  # noqa: E402
 
 from closed_loop_bench import gpu_busy_share  # noqa: E402
 from gpu_bench import abort_all, fake_prefilled  # noqa: E402

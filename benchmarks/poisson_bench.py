@@ -4,7 +4,7 @@ without them.
 closed_loop_bench.py's closed loop sends prompts in waves: requests that start together finish together,
 and their replacements arrive together. Under open-loop arrivals (`pagefleet bench serve --request-rate`)
 prompts land one or two at a time beside running decodes, in steps that mix them: the steps
-worker/mixed_graphs.py replays as graphs. At each rate, 564-token prompts and 128 output tokens
+worker/executor/graphs/mixed.py replays as graphs. At each rate, 564-token prompts and 128 output tokens
 (ignore_eos) arrive at exponential gaps (seeded; the same prompts and times in both arms), driven straight
 into an LLMEngine. Per rate and arm: TTFT and inter-token p50 / p99 from the arrival time, output tok/s,
 and the steps by kind with their host time p50.
@@ -25,9 +25,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from pagefleet.worker import SamplingParams  # noqa: E402
-from pagefleet.worker.config import EngineConfig  # noqa: E402
-from pagefleet.worker.engine import LLMEngine  # noqa: E402
+from pagefleet.worker import SamplingParams# noqa: E402
+from pagefleet.worker.core.config import EngineConfig  # noqa: E402
+from pagefleet.worker.engine.llm_engine import LLMEngine  # noqa: E402
 
 from closed_loop_bench import OUTPUT_TOKENS, PROMPT_TOKENS, Tally, steps_by_kind  # noqa: E402
 

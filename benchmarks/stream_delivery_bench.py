@@ -1,6 +1,6 @@
 """Host cost of handing one engine step's outputs to the server's asyncio loop, on CPU.
 
-The engine thread hands each step's outputs to the event loop (worker/async_engine.py). Every
+The engine thread hands each step's outputs to the event loop (worker/engine/async_engine.py). Every
 `loop.call_soon_threadsafe` writes a byte to the loop's self-pipe and wakes it. This prints the
 engine thread's and the loop thread's CPU time per step in two modes: one call per stream (the old
 way) and one call per step (`_deliver_step`). 64 streams, a 0.5 ms sleep standing in for the GPU step.

@@ -255,7 +255,7 @@ def test_helm_install_with_gateway_answers_openai_requests(cluster):
 
     from openai import AuthenticationError, OpenAI
 
-    code = "from pagefleet.worker.loader import bundled_model_path; print(bundled_model_path())"
+    code = "from pagefleet.worker.models.loader import bundled_model_path; print(bundled_model_path())"
     found = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900)
     assert found.returncode == 0, found.stderr
     model_path = found.stdout.strip().splitlines()[-1]

@@ -56,7 +56,7 @@ def setup(cluster, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("gateway-k8s")
     env = {**os.environ, **cluster.env, "KUBECONFIG": str(cluster.kubeconfig), "PYTHONUNBUFFERED": "1",
            "OMP_NUM_THREADS": "1"}
-    model = subprocess.run([sys.executable, "-c", "from pagefleet.worker.loader import bundled_model_path; "
+    model = subprocess.run([sys.executable, "-c", "from pagefleet.worker.models.loader import bundled_model_path; "
                             "print(bundled_model_path())"], capture_output=True, text=True, timeout=900,
                            cwd=tmp, env=env)
     assert model.returncode == 0, model.stderr

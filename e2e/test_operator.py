@@ -138,7 +138,7 @@ class Operator:
 @pytest.fixture(scope="module")
 def bundled_model() -> str:
     """The bundled SmolLM2 as a checkpoint folder on this 'node' (converted once by the worker's loader)."""
-    code = "from pagefleet.worker.loader import bundled_model_path; print(bundled_model_path())"
+    code = "from pagefleet.worker.models.loader import bundled_model_path; print(bundled_model_path())"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr
     return result.stdout.strip().splitlines()[-1]

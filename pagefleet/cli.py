@@ -12,14 +12,14 @@ import sys
 
 # command -> (module, help); the module provides add_arguments(parser) and run(args) -> int | None
 COMMANDS = {
-    "serve": ("pagefleet.worker.serve", "run the OpenAI-compatible worker server"),
-    "generate": ("pagefleet.worker.generate", "generate offline from prompts on the command line"),
+    "serve": ("pagefleet.worker.entrypoints.serve", "run the OpenAI-compatible worker server"),
+    "generate": ("pagefleet.worker.entrypoints.cli.generate", "generate offline from prompts on the command line"),
     "operator": ("pagefleet.operator.main", "run the InferenceService operator (kopf)"),
     "gateway": ("pagefleet.gateway.app", "run the LiteLLM gateway with queue-depth routing"),
 }
 BENCH_COMMANDS = {
-    "throughput": ("pagefleet.worker.bench_throughput", "offline throughput of the engine (and transformers)"),
-    "serve": ("pagefleet.worker.bench_serve", "load a running server and report TTFT, inter-token latency, tok/s"),
+    "throughput": ("pagefleet.worker.entrypoints.cli.bench_throughput", "offline throughput of the engine (and transformers)"),
+    "serve": ("pagefleet.worker.entrypoints.cli.bench_serve", "load a running server and report TTFT, inter-token latency, tok/s"),
 }
 
 

@@ -8,7 +8,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 @pytest.fixture(scope="session")
 def smollm2_path():
-    from pagefleet.worker.loader import bundled_model_path
+    from pagefleet.worker.models.loader import bundled_model_path
 
     return bundled_model_path()
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import torch
 
-from pagefleet.worker.bench_serve import write_word_tokenizer
-from pagefleet.worker.loader import ModelFolderError, bundled_model_path
+from pagefleet.worker.entrypoints.cli.bench_serve import write_word_tokenizer
+from pagefleet.worker.models.loader import ModelFolderError, bundled_model_path
 
 TINY_ARCHS = ("llama", "qwen2", "qwen3")
 

@@ -4,8 +4,8 @@ counts add up (every request, token, first token and gap counted once; steps sor
 import sys
 from pathlib import Path
 
-from pagefleet.worker.config import EngineConfig
-from pagefleet.worker.engine import LLMEngine
+from pagefleet.worker.core.config import EngineConfig
+from pagefleet.worker.engine.llm_engine import LLMEngine
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 from closed_loop_bench import OUTPUT_TOKENS, gpu_busy_share, run_level, step_periods  # noqa: E402

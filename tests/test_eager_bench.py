@@ -4,7 +4,7 @@ enforce_eager engine it starts has no graphs of any kind."""
 import sys
 from pathlib import Path
 
-from pagefleet.worker.engine import LLMEngine
+from pagefleet.worker.engine.llm_engine import LLMEngine
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import eager_bench  # noqa: E402

@@ -6,8 +6,8 @@ import random
 import sys
 from pathlib import Path
 
-from pagefleet.worker.config import EngineConfig
-from pagefleet.worker.engine import LLMEngine
+from pagefleet.worker.core.config import EngineConfig
+from pagefleet.worker.engine.llm_engine import LLMEngine
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 from poisson_bench import run_rate  # noqa: E402

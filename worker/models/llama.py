@@ -11,9 +11,9 @@ import torch
 from torch import nn
 
 from pagefleet.kernels.reference import rope_cos_sin_cache
-from pagefleet.worker import ops
-from pagefleet.worker.attention import PagedAttention
-from pagefleet.worker.models import ModelConfig
+from pagefleet.worker.models.layers import ops
+from pagefleet.worker.models.layers.paged_attention import PagedAttention
+from pagefleet.worker.models.registry import ModelConfig
 
 
 class RMSNorm(nn.Module):
@@ -33,7 +33,7 @@ class RMSNorm(nn.Module):
 
 class Linear(nn.Linear):
     """nn.Linear whose decode-sized calls (a few token rows) go to our bandwidth-bound GEMV on CUDA, and
-    which adds its LoRA adapters' products when the engine has them (worker/lora.py)."""
+    which adds its LoRA adapters' products when the engine has them (worker/models/layers/lora.py)."""
 
     lora = None  # LoRAWeights, attached by the LoRA manager
     weight_scale = None  # bf16 / fp32 weights; worker/fp8.py's Fp8Linear has e4m3 ones with per-row scales

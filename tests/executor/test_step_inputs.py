@@ -1,0 +1,75 @@
+"""The model runner's step arrays (built with numpy over the whole batch) against a per-sequence rebuild."""
+
+import numpy as np
+import pytest
+
+from pagefleet.worker import LLM, SamplingParams
+from pagefleet.worker.core.scheduler import ScheduledBatch, _decodes_first
+
+
+def naive_prepare(batch, block_size):
+    ids, pos, slots, lens, cu, rows = [], [], [], [], [0], []
+    for seq, k in zip(batch.seqs, batch.num_new_tokens):
+        start = seq.num_computed_tokens
+        for p in range(start, start + k):
+            ids.append(seq.token_ids[p])
+            pos.append(p)
+            slots.append(seq.block_table[p // block_size] * block_size + p % block_size)
+        lens.append(start + k)
+        cu.append(cu[-1] + k)
+        if start + k == seq.num_tokens:
+            rows.append(cu[-1] - 1)
+    return np.array([ids, pos, slots]), np.array(lens), np.array(cu), rows
+
+
+@pytest.mark.parametrize("budget", [7, 40, 512])  # many chunks, a mix, whole prompts
+def test_prepare_matches_a_per_sequence_rebuild(tiny_models, budget):
+    llm = LLM(str(tiny_models["llama"]), max_model_len=256, num_gpu_blocks_override=200, max_num_batched_tokens=budget, block_size=8)
+    runner = llm.engine.runner
+    original = runner.prepare
+    checked = []
+
+    def checking_prepare(batch):
+        tokens, seq_lens, cu, tables, rows = original(batch)
+        want_tokens, want_lens, want_cu, want_rows = naive_prepare(batch, 8)
+        assert np.array_equal(tokens, want_tokens) and np.array_equal(seq_lens, want_lens)
+        assert np.array_equal(cu, want_cu) and rows == want_rows
+        assert tables.shape[1] % 4 == 0  # rows start 16-byte aligned
+        for i, seq in enumerate(batch.seqs):
+            assert list(tables[i, : len(seq.block_table)]) == seq.block_table and not tables[i, len(seq.block_table) :].any()
+        checked.append(sum(batch.num_new_tokens) > len(batch.seqs))
+        return tokens, seq_lens, cu, tables, rows
+
+    runner.prepare = checking_prepare
+    prompts = [list(range(100 + i, 100 + i + n)) for i, n in enumerate([3, 37, 9, 64, 1, 20])]
+    llm.generate(prompts, [SamplingParams(temperature=0.0, max_tokens=5 + i, ignore_eos=True) for i in range(6)])
+    assert any(checked) and not all(checked)  # steps with prompt tokens and pure decode steps were both checked
+
+
+def test_upload_int32_starts_every_array_16_byte_aligned(tiny_models):
+    llm = LLM(str(tiny_models["llama"]), max_model_len=256, num_gpu_blocks_override=32)
+    arrays = [np.arange(n, dtype=np.int32) + 10 * n for n in (1, 5, 3, 8, 2)]
+    for got, want in zip(llm.engine.runner._upload_int32(*arrays), arrays):
+        assert got.data_ptr() % 16 == 0 and got.tolist() == want.tolist()
+
+
+@pytest.mark.parametrize("num_tokens", [1, 7, 8, 333])
+def test_upload_rows_starts_every_row_16_byte_aligned(tiny_models, num_tokens):
+    """The positions row feeds RoPE; at an odd token count it started 8 bytes off, a new Triton compile."""
+    llm = LLM(str(tiny_models["llama"]), max_model_len=256, num_gpu_blocks_override=32)
+    tokens = np.arange(3 * num_tokens, dtype=np.int64).reshape(3, num_tokens)
+    rows = llm.engine.runner._upload_rows(tokens)
+    assert rows.shape == (3, num_tokens) and rows.tolist() == tokens.tolist()
+    assert all(rows[i].data_ptr() % 16 == 0 and rows[i].is_contiguous() for i in range(3))
+
+
+def test_one_token_entries_lead_the_batch_in_order():
+    class S:
+        def __init__(self, name):
+            self.name = name
+
+    seqs = [S(c) for c in "abcdef"]
+    batch = ScheduledBatch(seqs=list(seqs), num_new_tokens=[1, 30, 1, 7, 1, 1])
+    _decodes_first(batch)
+    assert [s.name for s in batch.seqs] == ["a", "c", "e", "f", "b", "d"]
+    assert batch.num_new_tokens == [1, 1, 1, 1, 30, 7]

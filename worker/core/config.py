@@ -1,0 +1,49 @@
+"""Engine settings, validated once at start-up (the flags that set them: entrypoints/engine_args.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # HF checkpoint folder; None = the bundled SmolLM2-135M-Instruct
+    dtype: str = "auto"  # auto: the checkpoint's dtype on GPU, float32 on CPU
+    device: str = "auto"  # auto: cuda if available, else cpu
+    max_model_len: int | None = None  # None: the model's max_position_embeddings, capped at 8192
+    max_num_seqs: int = 256  # sequences in one step
+    max_num_batched_tokens: int = 2048  # token budget of one step (prefill chunks + decodes)
+    block_size: int = 16  # tokens per KV block
+    enable_prefix_caching: bool = True
+    enforce_eager: bool = False  # no CUDA graphs
+    gpu_memory_fraction: float = 0.9  # share of the whole card this engine may use (weights + KV + activations)
+    kv_cache_memory_bytes: int | None = None  # explicit KV budget; the default on CPU is 1 GiB
+    num_gpu_blocks_override: int | None = None  # force the number of KV blocks (tests, benchmarks)
+    quantization: str | None = None  # None or "fp8" (Hopper)
+    seed: int = 0
+    async_scheduling: bool = True  # overlap decode steps: launch step N+1 before reading step N's tokens
+    enable_lora: bool = False  # keep slots for LoRA adapters, loaded and unloaded while serving
+    max_loras: int = 4  # adapters loaded at once
+    max_lora_rank: int = 16
+    compile_workers: int | None = None  # processes compiling GPU kernels at a cold start (worker/executor/startup/compile_workers.py); None: auto, 0: none
+    cpu_threads: int | None = None  # torch threads on CPU; default half the cores (the server and tokenizer need the rest)
+
+    def validate(self) -> "EngineConfig":
+        def need(ok: bool, message: str) -> None:
+            if not ok:
+                raise ValueError(message)
+
+        need(self.dtype in ("auto", "float32", "float16", "bfloat16"), f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}")
+        need(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"), f"device must be auto, cpu or cuda[:N], got {self.device!r}")
+        need(self.max_model_len is None or self.max_model_len > 0, f"max_model_len must be > 0, got {self.max_model_len}")
+        need(self.max_num_seqs > 0, f"max_num_seqs must be > 0, got {self.max_num_seqs}")
+        need(self.max_num_batched_tokens > 0, f"max_num_batched_tokens must be > 0, got {self.max_num_batched_tokens}")
+        need(self.block_size in (8, 16, 32, 64, 128), f"block_size must be one of 8, 16, 32, 64, 128, got {self.block_size}")
+        need(0.0 < self.gpu_memory_fraction <= 1.0, f"gpu_memory_fraction must be in (0, 1], got {self.gpu_memory_fraction}")
+        need(self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0, "kv_cache_memory_bytes must be > 0")
+        need(self.num_gpu_blocks_override is None or self.num_gpu_blocks_override > 0, "num_gpu_blocks_override must be > 0")
+        need(self.quantization in (None, "fp8"), f"quantization must be fp8 or unset, got {self.quantization!r}")
+        need(self.max_loras > 0 and self.max_lora_rank > 0, "max_loras and max_lora_rank must be > 0")
+        need(self.compile_workers is None or self.compile_workers >= 0, f"compile_workers must be >= 0, got {self.compile_workers}")
+        need(not (self.enable_lora and self.quantization), "LoRA adapters run on bf16 / fp32 weights; drop --quantization to use them")
+        return self

@@ -1,0 +1,82 @@
+"""Incremental detokenisation and stop strings, across token boundaries.
+
+Decoding a window of a few tokens before the new ones keeps leading spaces and multi-byte characters
+right (the same trick vLLM and TGI use); a stop string is searched only where new text could complete it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from pagefleet.worker.core.sequence import Sequence
+
+Decode = Callable[[list[int], bool], str]  # (token ids, skip special tokens) -> text
+
+
+@dataclass(frozen=True)
+class TextDecoder:
+    decode: Decode
+    # special tokens that decode to nothing when skipped: update_text does not decode them at all. A model
+    # that keeps emitting EOS under ignore_eos would otherwise lengthen both decode windows by a token a
+    # step, since no text comes to move them on.
+    skipped: frozenset[int] = frozenset()
+
+
+def text_decoder(tokenizer) -> TextDecoder:
+    """tokenizer.decode, or straight the Rust tokenizer's decode where that is all tokenizer.decode would run
+    (a fast tokenizer that cleans up no spaces). update_text took 1.7 against 5.4 us a token on the CPU machine
+    (SmolLM2's tokenizer; 1.3 against 4.7 with the benchmarks' word-level one), paid for every sequence in
+    every step, in the engine's thread: at 64 streams 0.35 ms of each step before, 0.11 ms after."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        def decode(ids, skip):
+            return tokenizer.decode(ids, skip_special_tokens=skip)
+    else:
+        def decode(ids, skip):
+            return backend.decode(ids, skip_special_tokens=skip)
+    specials = getattr(tokenizer, "all_special_ids", None) or []
+    return TextDecoder(decode, frozenset(i for i in specials if decode([i], True) == ""))
+
+
+def update_text(decoder: TextDecoder, seq: Sequence) -> str:
+    """Append the text of the new token(s) to seq.text; returns the new piece."""
+    skip = seq.params.skip_special_tokens
+    ids = seq.token_ids
+    if skip and ids[-1] in decoder.skipped:
+        return ""  # what decoding would conclude, without the decodes
+    prefix_text = decoder.decode(ids[seq.prefix_offset : seq.read_offset], skip)
+    new_text = decoder.decode(ids[seq.prefix_offset :], skip)
+    if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
+        return ""  # an incomplete UTF-8 character: wait for the next token
+    piece = new_text[len(prefix_text) :]
+    seq.prefix_offset, seq.read_offset = seq.read_offset, len(ids)
+    seq.text += piece
+    return piece
+
+
+def find_stop(seq: Sequence, piece: str) -> str | None:
+    """If a stop string now appears, cut the text before it and return it."""
+    if not piece:
+        return None
+    for stop in seq.params.stop:
+        # only where the new piece could have completed it
+        start = max(len(seq.text) - len(piece) - len(stop) + 1, 0)
+        at = seq.text.find(stop, start)
+        if at != -1:
+            seq.text = seq.text[:at]
+            return stop
+    return None
+
+
+def visible_text(seq: Sequence) -> str:
+    """What may be shown while running: hold back a tail that could still become a stop string."""
+    if seq.is_finished or not seq.params.stop:
+        return seq.text
+    text, hold = seq.text, 0
+    for stop in seq.params.stop:
+        for k in range(min(len(stop) - 1, len(text)), hold, -1):  # the longest tail that starts a stop string
+            if text.endswith(stop[:k]):
+                hold = k
+                break
+    return text[: len(text) - hold]

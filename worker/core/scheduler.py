@@ -1,0 +1,119 @@
+"""The per-step decision: which sequences run this step, with how many tokens each, and who is preempted.
+
+One token budget per step (`max_num_batched_tokens`), no separate prefill and decode phases: running
+sequences go first (a decode costs one token, an unfinished prompt takes what is left as its next
+chunk), then waiting requests first-come-first-served. When the pool runs dry the most recently
+admitted sequence is preempted by recompute: its blocks are freed, it keeps every token it produced,
+and it goes back to the front of the queue.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from pagefleet.worker.core.block_manager import BlockManager
+from pagefleet.worker.core.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledBatch:
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write block copies to run first
+    preempted: list[Sequence] = field(default_factory=list)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in admission order: the last one is preempted first
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.max_num_batched_tokens
+        scheduled: set[int] = set()
+        # 1. Running sequences: decodes and unfinished prompt chunks.
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
+                continue
+            n = min(seq.num_uncomputed_tokens, budget)
+            while not self.block_manager.allocate(seq, n):
+                victim = self.running[-1]
+                self._preempt(victim, batch)
+                if victim is seq:
+                    break
+            if seq.status is SequenceStatus.RUNNING:
+                batch.seqs.append(seq)
+                batch.num_new_tokens.append(n)
+                scheduled.add(seq.seq_id)
+                budget -= n
+        # 2. Waiting requests, oldest first, unless this step already had to preempt.
+        while self.waiting and budget > 0 and not batch.preempted:
+            seq = self.waiting[0]
+            if len(self.running) + max(1, seq.pending_forks + 1) > self.max_num_seqs and self.running:
+                break
+            if not seq.block_table:
+                self.block_manager.match_prefix(seq)
+            n = min(seq.num_uncomputed_tokens, budget)
+            if not self.block_manager.allocate(seq, n):
+                self.block_manager.free_sequence(seq)  # give back the prefix hits; retry next step
+                seq.num_cached_tokens = 0
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            batch.seqs.append(seq)
+            batch.num_new_tokens.append(n)
+            budget -= n
+        batch.copies = self.block_manager.take_copies()
+        _decodes_first(batch)
+        return batch
+
+    def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
+        self.running.remove(seq)
+        self.block_manager.free_sequence(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_cached_tokens = 0
+        self.waiting.appendleft(seq)
+        batch.preempted.append(seq)
+        self.num_preemptions += 1
+
+    def add_forked(self, parent: Sequence, child: Sequence) -> None:
+        """A sample split off `parent` after its prompt: runs right behind it."""
+        self.running.insert(self.running.index(parent) + 1, child)
+
+    def retire(self, seq: Sequence) -> None:
+        """A sequence whose last token is still being computed: out of the batch, blocks back to the pool;
+        `finish` follows once the token is read."""
+        self.running.remove(seq)
+        self.block_manager.free_sequence(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """Free a finished or aborted sequence's blocks now, so the next step can hand them out."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.block_manager.free_sequence(seq)
+        seq.status = SequenceStatus.FINISHED
+
+
+def _decodes_first(batch: ScheduledBatch) -> None:
+    """One-token entries lead the batch, so attention runs them through the decode kernel and only
+    the prompt chunks after them through the prefill kernel (stable: order within each group kept)."""
+    counts = batch.num_new_tokens
+    if all(n == 1 for n in counts) or all(n > 1 for n in counts):
+        return
+    order = [i for i, n in enumerate(counts) if n == 1] + [i for i, n in enumerate(counts) if n > 1]
+    batch.seqs = [batch.seqs[i] for i in order]
+    batch.num_new_tokens = [counts[i] for i in order]

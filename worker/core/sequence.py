@@ -1,0 +1,83 @@
+"""One sample of a request: its tokens, status, block table, and the output built so far."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+
+from pagefleet.worker.core.outputs import TokenLogprobs
+from pagefleet.worker.core.sampling_params import SamplingParams
+
+_seq_ids = itertools.count()
+
+
+class SequenceStatus(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    index: int  # which of the request's n samples
+    token_ids: list[int]  # prompt + output
+    num_prompt_tokens: int
+    params: SamplingParams
+    seed: int | None  # this sample's seed (request seed + index)
+    seq_id: int = field(default_factory=lambda: next(_seq_ids))
+    status: SequenceStatus = SequenceStatus.WAITING
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # chained hashes of the full blocks, in order
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    num_cached_tokens: int = 0  # of those, served by the prefix cache at (re)admission
+    pending_forks: int = 0  # samples still to split off once the prompt is done (n > 1 parents)
+    lora_id: int = 0  # the LoRA adapter this sample runs with (0: the base model)
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    logprobs: list[TokenLogprobs] | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    # incremental detokenisation state
+    text: str = ""
+    prefix_offset: int = 0
+    read_offset: int = 0
+
+    def __post_init__(self) -> None:
+        if self.params.logprobs is not None and self.logprobs is None:
+            self.logprobs = []
+        # start the detokeniser a few tokens back into the prompt so the first word gets its leading space
+        self.read_offset = self.num_prompt_tokens
+        self.prefix_offset = max(self.num_prompt_tokens - 5, 0)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    def fork(self, index: int, seed: int | None) -> "Sequence":
+        """A sibling sample that shares everything computed so far (the block manager shares the blocks)."""
+        child = Sequence(self.request_id, index, list(self.token_ids), self.num_prompt_tokens, self.params, seed)
+        child.status = self.status
+        child.block_hashes = list(self.block_hashes)
+        child.num_computed_tokens = self.num_computed_tokens
+        child.num_cached_tokens = self.num_cached_tokens
+        child.arrival_time = self.arrival_time
+        child.lora_id = self.lora_id
+        return child

@@ -1,0 +1,78 @@
+"""LLM: the offline API — prompts (text, token ids or chat messages) in, finished outputs out."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Sequence as Seq
+
+from tqdm import tqdm
+
+from pagefleet.worker.core.config import EngineConfig
+from pagefleet.worker.engine.llm_engine import LLMEngine
+from pagefleet.worker.core.outputs import RequestOutput
+from pagefleet.worker.core.sampling_params import SamplingParams
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **engine_args):
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
+        self.engine.emit_partial = False
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        return list(prompt) if not isinstance(prompt, str) else self.tokenizer(prompt).input_ids
+
+    def chat_prompt_ids(self, messages: list[dict]) -> list[int]:
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return self.tokenizer(text, add_special_tokens=False).input_ids
+
+    def generate(
+        self,
+        prompts: str | list[int] | Seq[str] | Seq[list[int]],
+        params: SamplingParams | Seq[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+        lora_name: str | None = None,
+    ) -> list[RequestOutput]:
+        """lora_name: an adapter loaded with load_lora, applied to every prompt of this call."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = params or SamplingParams()
+        all_params = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(all_params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(all_params)} sampling params")
+        return self._run([self.encode(p) for p in prompts], all_params, use_tqdm, lora_name)
+
+    def load_lora(self, name: str, path: str) -> None:
+        """Load a PEFT LoRA folder under `name` (needs enable_lora=True)."""
+        self.engine.load_lora(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        self.engine.unload_lora(name)
+
+    def chat(self, conversations: list[dict] | list[list[dict]], params: SamplingParams | None = None, use_tqdm: bool = False):
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]
+        params = params or SamplingParams()
+        return self._run([self.chat_prompt_ids(c) for c in conversations], [params] * len(conversations), use_tqdm)
+
+    def _run(self, prompt_ids: list[list[int]], params: list[SamplingParams], use_tqdm: bool, lora_name: str | None = None) -> list[RequestOutput]:
+        for ids, p in zip(prompt_ids, params):  # check all before adding any, so a bad one adds nothing
+            self.engine.check_request(ids, p, lora_name)
+        order = []
+        for ids, p in zip(prompt_ids, params):
+            request_id = f"offline-{next(self._ids)}"
+            order.append(request_id)
+            self.engine.add_request(request_id, ids, p, lora_name)
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(order), desc="generate", unit="req", disable=not use_tqdm)
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+                    bar.update()
+        bar.close()
+        return [done[r] for r in order]

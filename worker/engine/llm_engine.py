@@ -1,0 +1,252 @@
+"""LLMEngine: add / abort / step over the scheduler, block manager and model runner; LLM, the offline API."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from pagefleet.worker.engine import stats as engine_stats
+from pagefleet.worker.executor.startup import compile_workers as precompile
+from pagefleet.worker.core.block_manager import BlockManager
+from pagefleet.worker.core.config import EngineConfig
+from pagefleet.worker.core.detokenizer import find_stop, text_decoder, update_text, visible_text
+from pagefleet.worker.engine.stats import EngineStats, StepRecord
+from pagefleet.worker.models.loader import load_model_config, load_tokenizer, resolve_model_path
+from pagefleet.worker.core.outputs import CompletionOutput, RequestOutput
+from pagefleet.worker.engine.overlap import PLACEHOLDER, OverlappedSteps, PendingStep
+from pagefleet.worker.core.sampling_params import SamplingParams
+from pagefleet.worker.core.scheduler import Scheduler
+from pagefleet.worker.core.sequence import Sequence
+
+MAX_DEFAULT_MODEL_LEN = 8192
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+
+
+class LLMEngine(OverlappedSteps):
+    def __init__(self, config: EngineConfig):
+        start = time.perf_counter()
+        self.config = config.validate()
+        self.model_path = resolve_model_path(config.model)
+        self.model_name = self.model_path.name
+        self.model_config = load_model_config(self.model_path)
+        limit = self.model_config.max_position_embeddings
+        self.max_model_len = min(config.max_model_len or min(limit, MAX_DEFAULT_MODEL_LEN), limit)
+        if config.max_model_len and config.max_model_len > limit:
+            raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's max_position_embeddings={limit}")
+        # started before torch is imported, the tokenizer read and the weights loaded, all of which they overlap
+        compile_workers = precompile.start(config, self.model_path, self.model_config, self.max_model_len)
+        from pagefleet.worker.executor.model_runner import ModelRunner  # imports torch
+
+        tokenizer_start = time.perf_counter()
+        self.tokenizer = load_tokenizer(self.model_path)
+        self.text_decoder = text_decoder(self.tokenizer)
+        tokenizer_seconds = time.perf_counter() - tokenizer_start
+        self.runner = ModelRunner(config, self.model_config, self.model_path, self.max_model_len, compile_workers)
+        if self.runner.device.type == "cuda":
+            t = self.runner.start_seconds
+            print(f"pagefleet: engine up in {time.perf_counter() - start:.1f}s: tokenizer {tokenizer_seconds:.1f}s, weights "
+                  f"{t['load']:.1f}s, then compile workers {t['workers']:.1f}s, warm-up {t['warmup']:.1f}s, graphs "
+                  f"{t['graphs']:.1f}s", flush=True)
+        self.eos_token_ids = set(self.model_config.eos_token_ids or [self.tokenizer.eos_token_id])
+        self.runner.sampler.eos_token_ids = sorted(self.eos_token_ids)
+        self.block_manager = BlockManager(self.runner.kv.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.requests: dict[str, Request] = {}
+        self.emit_partial = True  # the streaming engine wants every step's progress; offline runs only the final
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self.steps_total = 0
+        self.recent_steps: deque[StepRecord] = deque(maxlen=2048)
+        self.pending: PendingStep | None = None  # an overlapped decode step not yet read back
+
+    # ---- requests
+
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams, lora_name: str | None = None) -> None:
+        """Raise ValueError for a request the engine cannot serve (callable from any thread)."""
+        params.validate()
+        if lora_name is not None and lora_name not in self.lora_names():
+            raise ValueError(f"no LoRA adapter named {lora_name!r} is loaded")
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        if any(not isinstance(t, int) or t < 0 or t >= vocab for t in prompt_token_ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(prompt_token_ids)} tokens but max_model_len is {self.max_model_len} "
+                f"(prompt plus at least one generated token must fit)"
+            )
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, lora_name: str | None = None) -> None:
+        self.check_request(prompt_token_ids, params, lora_name)
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        seed = params.seed
+        parent = Sequence(request_id, 0, list(prompt_token_ids), len(prompt_token_ids), params, seed)
+        if lora_name is not None:
+            parent.lora_id = self.runner.lora.id_of[lora_name]
+        parent.pending_forks = params.n - 1  # the other samples split off once the shared prompt is done
+        self.requests[request_id] = Request(request_id, list(prompt_token_ids), params, [parent])
+        self.scheduler.add(parent)
+        self.prompt_tokens_total += len(prompt_token_ids)
+
+    def abort_request(self, request_id: str) -> None:
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return
+        for seq in request.seqs:
+            if not seq.is_finished:
+                seq.finish_reason = "abort"
+                self._finish(seq)
+
+    # ---- LoRA adapters (between steps: the async engine calls these on its loop thread)
+
+    def lora_names(self) -> list[str]:
+        return self.runner.lora.names if self.runner.lora is not None else []
+
+    def lora_paths(self) -> dict[str, str]:
+        """Loaded adapter -> the folder it was loaded from."""
+        return dict(self.runner.lora.path_of) if self.runner.lora is not None else {}
+
+    def load_lora(self, name: str, path: str) -> None:
+        if self.runner.lora is None:
+            raise ValueError("LoRA adapters are off: start the engine with enable_lora (--enable-lora)")
+        self.runner.lora.load(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        if self.runner.lora is None or name not in self.runner.lora.names:
+            raise ValueError(f"no LoRA adapter named {name!r} is loaded")
+        lora_id = self.runner.lora.id_of[name]
+        users = sum(any(s.lora_id == lora_id for s in r.seqs) for r in self.requests.values())
+        if users:
+            raise ValueError(f"LoRA adapter {name!r} is in use by {users} request(s); unload it when they finish")
+        self.runner.lora.unload(name)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # ---- the step
+
+    def step(self) -> list[RequestOutput]:
+        """One forward step. Steps overlap when nothing in them needs the host to see a token first:
+        step N+1 (decodes and prompt chunks alike) is launched before step N's tokens are read back,
+        so the host's scheduling and bookkeeping hide behind the GPU (outputs lag one step)."""
+        start = time.perf_counter()
+        outputs: list[RequestOutput] = []
+        batch = self.scheduler.schedule()
+        overlap = self.config.async_scheduling and bool(batch.seqs) and self._can_overlap(batch)
+        if self.pending is not None and not overlap:
+            outputs += self._resolve_pending()
+            self._drop_finished(batch)  # a token read just now may have ended one of them
+        if not batch.seqs:
+            return outputs
+        if overlap:
+            return outputs + self._launch_overlapped(batch, start)
+        logits = self.runner.run(batch)
+        sampling: list[Sequence] = []
+        rows: list[int] = []  # logits row of each sampling sequence (n samples share their prompt's row)
+        num_prefill = num_decode = 0
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            if seq.num_computed_tokens + 1 == seq.num_tokens and n == 1:
+                num_decode += 1
+            else:
+                num_prefill += n
+            seq.num_computed_tokens += n
+            self.block_manager.commit_full_blocks(seq)
+            if seq.num_computed_tokens < seq.num_tokens:
+                continue  # a prompt chunk that is not the last: nothing to sample yet
+            row = rows[-1] + 1 if rows else 0
+            sampling.append(seq)
+            rows.append(row)
+            if seq.pending_forks:
+                self._fork_samples(seq, sampling, rows, row)
+        touched: dict[str, Request] = {}
+        if sampling:
+            if len(rows) != logits.shape[0]:
+                logits = logits[rows]
+            tokens, logprobs = self.runner.sample(logits, sampling)
+            for seq, token, lp in zip(sampling, tokens, logprobs):
+                touched[seq.request_id] = self.requests[seq.request_id]
+                self._append_token(seq, token, lp)
+        self.steps_total += 1
+        self.recent_steps.append(StepRecord(len(batch.seqs), num_prefill, num_decode, time.perf_counter() - start, start))
+        return outputs + self._outputs(touched)
+
+    def _fork_samples(self, parent: Sequence, sampling: list[Sequence], rows: list[int], row: int) -> None:
+        """n > 1: the prompt is done; the other samples split off here, sharing every block."""
+        request = self.requests[parent.request_id]
+        for _ in range(parent.pending_forks):
+            index = len(request.seqs)
+            child = parent.fork(index, None if parent.seed is None else parent.seed + index)
+            self.block_manager.fork(parent, child)
+            self.scheduler.add_forked(parent, child)
+            request.seqs.append(child)
+            sampling.append(child)
+            rows.append(row)
+        parent.pending_forks = 0
+
+    def _append_token(self, seq: Sequence, token: int, logprob) -> None:
+        seq.token_ids.append(token)
+        self.generation_tokens_total += 1
+        if logprob is not None:
+            seq.logprobs.append(logprob)
+        p = seq.params
+        if p.detokenize:
+            piece = update_text(self.text_decoder, seq)
+            stop = find_stop(seq, piece) if p.stop else None
+        else:
+            stop = None
+        if stop is not None:
+            seq.finish_reason, seq.stop_reason = "stop", stop
+        elif seq.num_output_tokens >= p.min_tokens and not p.ignore_eos and token in self.eos_token_ids:
+            seq.finish_reason = "stop"
+        elif token in p.stop_token_ids and seq.num_output_tokens >= p.min_tokens:
+            seq.finish_reason, seq.stop_reason = "stop", token
+        elif (p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens) or seq.num_tokens >= self.max_model_len:
+            seq.finish_reason = "length"
+        if seq.finish_reason is not None:
+            self._finish(seq)
+
+    def _finish(self, seq: Sequence) -> None:
+        self.scheduler.finish(seq)  # its blocks go back to the pool now, before the next step
+        self.runner.sampler.forget(seq)
+
+    def _outputs(self, touched: dict[str, Request]) -> list[RequestOutput]:
+        outputs = []
+        for request in touched.values():
+            finished = all(s.is_finished for s in request.seqs) and len(request.seqs) == request.params.n
+            if not finished and not self.emit_partial:
+                continue
+            outputs.append(self.make_output(request, finished))
+            if finished:
+                self.requests.pop(request.request_id, None)
+        return outputs
+
+    def make_output(self, request: Request, finished: bool) -> RequestOutput:
+        completions = []
+        for seq in request.seqs:
+            text = visible_text(seq) if seq.params.detokenize else ""
+            ids = seq.output_token_ids
+            if ids and ids[-1] == PLACEHOLDER:  # still on the device: reported with the next step
+                ids = ids[:-1]
+            completions.append(
+                CompletionOutput(seq.index, text, ids, seq.finish_reason, list(seq.logprobs) if seq.logprobs is not None else None, seq.stop_reason)
+            )
+        return RequestOutput(request.request_id, request.prompt_token_ids, completions, finished, request.seqs[0].num_cached_tokens)
+
+    # ---- observability
+
+    def kv_waste(self) -> tuple[int, int]:
+        """(used slots, allocated slots) over the running sequences."""
+        return self.block_manager.slot_usage(self.scheduler.running)
+
+    def stats(self) -> EngineStats:
+        return engine_stats.collect(self)

@@ -1,0 +1,259 @@
+"""The OpenAI-compatible HTTP face of one engine: the FastAPI app and the state its handlers share.
+
+The engine steps on its own thread; each engine request is pumped by its own asyncio task into a queue
+that the HTTP handler reads (generation.py), so a slow client only ever delays itself. The process
+around the app (flags, uvicorn, SIGTERM drain) is serve.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hmac
+import logging
+import re
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from pagefleet.worker.entrypoints.streaming import Generation, generate
+from pagefleet.worker.entrypoints.lora_api import add_lora_routes
+from pagefleet.worker.entrypoints.metrics import CONTENT_TYPE, ServerMetrics
+from pagefleet.worker.entrypoints.protocol import (ERROR_RESPONSES, APIError, ChatCompletionRequest, CompletionRequest,
+                                       DetokenizeRequest, TokenizeRequest, error_body, message_dicts, sampling_params)
+
+log = logging.getLogger("pagefleet.server")
+
+PROBE_PATHS = ("/health", "/ready", "/load", "/metrics")
+OPEN_PATHS = PROBE_PATHS + ("/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc")
+_TYPE_TAG = re.compile(r"^(str|int|float|bool|none|[a-z-]+\[.*\])$")
+
+
+class ServerState:
+    """What the handlers share: the engine, the limits, and the counts that admission and drain read."""
+
+    def __init__(self, engine, served_model_names: list[str], api_key: str | None, max_queue: int):
+        self.engine = engine
+        self.served_model_names = served_model_names
+        self.model_name = served_model_names[0]
+        self.api_key = api_key
+        self.max_queue = max_queue
+        self.draining = False
+        self.num_in_flight = 0  # accepted generation requests, not yet finished
+        self.num_queued = 0  # accepted and without a first token yet: what --max-queue bounds
+        self.generations: set[Generation] = set()
+        self.metrics = ServerMetrics(self.model_name, engine.stats)
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.max_model_len
+        self.max_num_seqs = engine.load()["max_num_seqs"]
+        core = getattr(engine, "engine", engine)  # AsyncLLMEngine wraps the LLMEngine that knows the model
+        model_vocab = getattr(getattr(core, "model_config", None), "vocab_size", None)
+        self.vocab_size = min(len(self.tokenizer), model_vocab or len(self.tokenizer))
+        self._token_text: dict[int, str] = {}
+
+    def check_model(self, model: str | None) -> str:
+        if model is None:
+            return self.model_name
+        if model not in self.served_model_names and model not in self.engine.lora_names():
+            raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+        return model
+
+    def lora_for(self, model: str) -> str | None:
+        """The LoRA adapter a request's `model` names, as in vLLM (None: the base model)."""
+        return None if model in self.served_model_names else model
+
+    def admit(self) -> None:
+        if self.draining:
+            raise APIError(503, "The server is shutting down.", type="service_unavailable", code="draining")
+        if self.num_queued >= self.max_queue:
+            self.metrics.request_rejected("queue_full")
+            raise APIError(429, f"Too many waiting requests ({self.num_queued} >= max_queue {self.max_queue}); "
+                           "retry later.", type="rate_limit_error", code="queue_full", headers={"Retry-After": "1"})
+
+    def decode_token(self, token_id: int) -> str:
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self._token_text[token_id] = self.tokenizer.decode([token_id])
+        return text
+
+    def check_prompt(self, ids: list[int], max_tokens: int | None, param: str) -> None:
+        if not ids:
+            raise APIError(400, "The prompt is empty.", param=param)
+        if any(not 0 <= t < self.vocab_size for t in ids):
+            raise APIError(400, f"Prompt token ids must be in [0, {self.vocab_size}).", param=param)
+        if len(ids) + (max_tokens or 1) > self.max_model_len:
+            raise APIError(400, f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                           f"you requested {len(ids) + (max_tokens or 1)} tokens ({len(ids)} in the prompt, "
+                           f"{max_tokens or 1} to generate).", param=param, code="context_length_exceeded")
+
+    def chat_prompt(self, messages, add_generation_prompt: bool = True) -> list[int]:
+        if not messages:
+            raise APIError(400, "messages must not be empty.", param="messages")
+        try:
+            text = self.tokenizer.apply_chat_template(message_dicts(messages), tokenize=False,
+                                                      add_generation_prompt=add_generation_prompt)
+        except APIError:
+            raise
+        except Exception as e:  # a template may reject role orders etc. with any exception type
+            raise APIError(400, f"The chat template rejected the messages: {e}", param="messages") from None
+        # The template already holds the special tokens (as LLM.chat does).
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+
+def _error_response(e: APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+class _Gate:
+    """Pure ASGI middleware (no body buffering, so streams and disconnects pass through untouched):
+    API key on everything but the probes and the schema, and 503 for new work while draining."""
+
+    def __init__(self, app, state: ServerState):
+        self.app, self.state = app, state
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+            error = None
+            if self.state.api_key is not None:
+                auth = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+                if not hmac.compare_digest(auth.encode(), f"Bearer {self.state.api_key}".encode()):
+                    error = APIError(401, "Invalid or missing API key (Authorization: Bearer <key>).",
+                                     code="invalid_api_key")
+            if error is None and self.state.draining:
+                error = APIError(503, "The server is shutting down.", type="service_unavailable", code="draining")
+            if error is not None:
+                await _error_response(error)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def build_app(engine, served_model_name: str | list[str] | None = None, api_key: str | None = None,
+              max_queue: int = 1024) -> FastAPI:
+    """The FastAPI app over a loaded AsyncLLMEngine; `app.state.server` is the shared ServerState."""
+    names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or [])
+    state = ServerState(engine, names or [engine.model_name], api_key, max_queue)
+    app = FastAPI(title="pagefleet worker", version="0.1.0")
+    app.state.server = state
+    app.add_middleware(_Gate, state=state)
+
+    @app.exception_handler(APIError)
+    async def on_api_error(request: Request, e: APIError):
+        return _error_response(e)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(request: Request, e: RequestValidationError):
+        errors = e.errors()
+        first = errors[0] if errors else {}
+        # drop "body" and the union-member tags pydantic puts in loc ("str", "list[int]", ...)
+        loc = [str(x) for x in first.get("loc", ()) if x != "body" and not _TYPE_TAG.match(str(x))]
+        param = loc[0] if loc else None
+        where = ".".join(loc)
+        message = f"{where}: {first.get('msg', 'invalid request')}" if where else first.get("msg", "invalid request")
+        if first.get("type") == "json_invalid":  # its loc is a character position, not a param
+            message, param = f"The body is not valid JSON: {first.get('ctx', {}).get('error', '')}".strip(), None
+        return _error_response(APIError(400, message, param=param))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, e: StarletteHTTPException):
+        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        return JSONResponse(error_body(str(e.detail), type=kind), status_code=e.status_code,
+                            headers=getattr(e, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def on_crash(request: Request, e: Exception):  # a bug of ours; still the OpenAI shape
+        log.exception("unhandled error on %s", request.url.path)
+        return JSONResponse(error_body(f"internal error: {e}", type="internal_error"), status_code=500)
+
+    @app.post("/v1/completions", responses=ERROR_RESPONSES)
+    async def completions(body: CompletionRequest, request: Request):
+        model = state.check_model(body.model)
+        if body.echo:
+            raise APIError(400, "echo is not supported.", param="echo")
+        if body.suffix:
+            raise APIError(400, "suffix is not supported.", param="suffix")
+        if body.best_of is not None and body.best_of != body.n:
+            raise APIError(400, "best_of other than n is not supported.", param="best_of")
+        p = body.prompt
+        if isinstance(p, str):
+            prompts = [p]
+        elif p and all(isinstance(x, int) for x in p):
+            prompts = [p]
+        else:
+            prompts = list(p)
+        if not prompts:
+            raise APIError(400, "The prompt is empty.", param="prompt")
+        prompts = [state.tokenizer.encode(x) if isinstance(x, str) else list(x) for x in prompts]
+        params = sampling_params(body, body.max_tokens, body.logprobs, state.max_num_seqs, state.vocab_size)
+        for ids in prompts:
+            state.check_prompt(ids, body.max_tokens, "prompt")
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return await generate(state, request, False, model, prompts, params, body.stream, include_usage, state.lora_for(model))
+
+    @app.post("/v1/chat/completions", responses=ERROR_RESPONSES)
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        model = state.check_model(body.model)
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        if body.top_logprobs is not None and not body.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs=true.", param="top_logprobs")
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        params = sampling_params(body, max_tokens, logprobs, state.max_num_seqs, state.vocab_size)
+        ids = state.chat_prompt(body.messages)
+        state.check_prompt(ids, max_tokens, "messages")
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return await generate(state, request, True, model, [ids], params, body.stream, include_usage, state.lora_for(model))
+
+    @app.get("/v1/models")
+    async def models():
+        base = [{"id": name, "object": "model", "created": 0, "owned_by": "pagefleet", "root": engine.model_name,
+                 "max_model_len": state.max_model_len, "vocab_size": state.vocab_size} for name in state.served_model_names]
+        adapters = [{"id": name, "object": "model", "created": 0, "owned_by": "pagefleet", "root": name,
+                     "parent": state.model_name, "max_model_len": state.max_model_len, "vocab_size": state.vocab_size}
+                    for name in engine.lora_names()]
+        return {"object": "list", "data": base + adapters}
+
+    add_lora_routes(app, state)
+
+    @app.post("/tokenize", responses=ERROR_RESPONSES)
+    async def tokenize(body: TokenizeRequest):
+        state.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "Give exactly one of prompt or messages.", param="prompt")
+        if body.prompt is not None:
+            ids = state.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        else:
+            ids = state.chat_prompt(body.messages, body.add_generation_prompt)
+        return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids}
+
+    @app.post("/detokenize", responses=ERROR_RESPONSES)
+    async def detokenize(body: DetokenizeRequest):
+        state.check_model(body.model)
+        if any(not 0 <= t < state.vocab_size for t in body.tokens):
+            raise APIError(400, f"Token ids must be in [0, {state.vocab_size}).", param="tokens")
+        return {"prompt": state.tokenizer.decode(body.tokens)}
+
+    @app.get("/health")
+    async def health():
+        alive = engine.is_alive()
+        return JSONResponse({"status": "ok" if alive else "engine loop dead"}, status_code=200 if alive else 503)
+
+    @app.get("/ready")
+    async def ready():
+        ok = engine.is_alive() and not state.draining
+        return JSONResponse({"ready": ok, "draining": state.draining}, status_code=200 if ok else 503)
+
+    @app.get("/load")
+    async def load():  # polled many times a second: skip FastAPI's response encoding
+        return JSONResponse({**engine.load(), "draining": state.draining})  # the gateway skips a draining worker
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/debug/steps")
+    async def debug_steps():
+        """The engine's recent steps: how many sequences each one batched (the step trace)."""
+        s = engine.stats()
+        return {"steps_total": s.steps_total, "recent_steps": [dataclasses.asdict(r) for r in s.recent_steps]}
+
+    return app

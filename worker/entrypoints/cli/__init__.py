@@ -1,0 +1,1 @@
+"""pagefleet.worker.entrypoints.cli: `pagefleet generate` and `pagefleet bench throughput | serve`."""

@@ -1,0 +1,113 @@
+"""The `pagefleet serve` process: its flags, the engine and adapters at start-up, uvicorn, and a SIGTERM
+that drains (/ready false, new requests 503, in-flight requests finish, exit 0)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import time
+
+from pagefleet.worker.entrypoints.engine_args import add_engine_arguments, engine_config_from_args
+from pagefleet.worker.entrypoints.api_server import ServerState, build_app
+
+log = logging.getLogger("pagefleet.server")
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    a = parser.add_argument
+    add_engine_arguments(parser)  # --model, --max-model-len, --gpu-memory-fraction, ... as for generate and bench
+    a("--served-model-name", nargs="+", default=None, help="name(s) clients use (default: the model folder name)")
+    a("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+      help="LoRA adapters (PEFT folders) to load at start-up; requests name them as their model (needs --enable-lora)")
+    a("--host", default="0.0.0.0")
+    a("--port", type=int, default=8000)
+    a("--api-key", default=None,
+      help="require Authorization: Bearer <key> on the API (default: $PAGEFLEET_API_KEY)")
+    a("--max-queue", type=int, default=1024,
+      help="requests accepted but without a first token yet (queued or in prefill) before new ones get 429")
+    a("--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get after SIGTERM")
+    a("--disable-access-log", action="store_true")
+    a("--log-level", default="info")
+
+
+class _DrainingServer:
+    """uvicorn, except that SIGTERM drains: /ready turns false and new requests get 503 while the
+    listener stays open, in-flight requests finish (up to the drain timeout), then the process exits 0."""
+
+    def __init__(self, config, state: ServerState, drain_timeout: float):
+        import uvicorn
+
+        state_, timeout_ = state, drain_timeout
+
+        class Server(uvicorn.Server):
+            def handle_exit(self, sig, frame):
+                if sig == signal.SIGTERM and not state_.draining:
+                    state_.draining = True  # not re-raised afterwards: a drained exit is a clean exit
+                    return
+                super().handle_exit(sig, frame)
+
+        self.server, self.state, self.drain_timeout = Server(config), state_, timeout_
+
+    async def _drain_then_exit(self) -> None:
+        while not self.state.draining:
+            await asyncio.sleep(0.1)
+        log.info("SIGTERM: draining %d in-flight requests (up to %.0f s)", self.state.num_in_flight,
+                 self.drain_timeout)
+        deadline = time.monotonic() + self.drain_timeout
+        while self.state.num_in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for gen in list(self.state.generations):  # past the deadline: abort what is left
+            gen.close()
+        await asyncio.sleep(0.1)  # let the last responses flush
+        self.server.should_exit = True
+
+    async def serve(self) -> None:
+        drainer = asyncio.create_task(self._drain_then_exit())
+        try:
+            await self.server.serve()
+        finally:
+            drainer.cancel()
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from pagefleet.worker.engine.async_engine import AsyncLLMEngine
+    from pagefleet.worker.executor.startup.gc_freeze import freeze_startup_heap
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = engine_config_from_args(args)
+    except ValueError as e:
+        print(f"pagefleet serve: {e}")
+        return 2
+    if args.max_queue < 1:
+        print("pagefleet serve: --max-queue must be at least 1")
+        return 2
+    modules = [m.split("=", 1) for m in args.lora_modules]
+    if any(len(m) != 2 or not all(m) for m in modules) or (modules and not config.enable_lora):
+        print("pagefleet serve: --lora-modules takes NAME=PATH pairs and needs --enable-lora")
+        return 2
+    try:
+        engine = AsyncLLMEngine(config)
+
+        async def load_adapters():  # through the loop thread, as every later load goes
+            for name, path in modules:
+                await engine.load_lora(name, path)
+
+        asyncio.run(load_adapters())
+    except ValueError as e:  # a bad model folder or a setting the model cannot take: say so, no traceback
+        print(f"pagefleet serve: {e}")
+        return 2
+    try:
+        api_key = args.api_key or os.environ.get("PAGEFLEET_API_KEY")  # resolved here: never shown in --help
+        app = build_app(engine, args.served_model_name, api_key, args.max_queue)
+        uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                   access_log=not args.disable_access_log, timeout_graceful_shutdown=5)
+        freeze_startup_heap()  # full GC passes over the start-up heap paused the engine for ~250 ms each
+        asyncio.run(_DrainingServer(uv_config, app.state.server, args.drain_timeout).serve())
+    finally:
+        engine.shutdown()
+    return 0

@@ -1,0 +1,226 @@
+"""One API request's generation: an engine request per prompt and sample group, pumped into one queue,
+answered as one JSON body or as server-sent events, with usage and logprobs in the OpenAI shape."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from typing import TYPE_CHECKING
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from pagefleet.worker.entrypoints.protocol import APIError, chat_logprobs, completion_logprobs, error_body, usage
+
+if TYPE_CHECKING:
+    from pagefleet.worker.entrypoints.api_server import ServerState
+
+log = logging.getLogger("pagefleet.server")
+
+_CLOSED = object()
+
+
+class Generation:
+    """One API request: one engine request per prompt, each pumped by its own task into one queue."""
+
+    def __init__(self, state: ServerState, request_id: str, prompts: list[list[int]], params, lora_name: str | None = None):
+        self.state, self.params, self.lora_name = state, params, lora_name
+        self.engine_ids = [f"{request_id}-{i}" for i in range(len(prompts))]
+        self.done = [False] * len(prompts)
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.arrival = time.perf_counter()
+        self.last_token_at: float | None = None
+        self.tokens_seen: dict[tuple[int, int], int] = {}
+        self.queued = True
+        self.closed = False
+        state.num_in_flight += 1
+        state.num_queued += 1
+        state.generations.add(self)
+        self.pumps = [asyncio.create_task(self._pump(i, ids)) for i, ids in enumerate(prompts)]
+
+    async def _pump(self, i: int, ids: list[int]) -> None:
+        try:
+            async for out in self.state.engine.generate(ids, self.params, self.engine_ids[i], self.lora_name):
+                self.queue.put_nowait((i, out))
+            self.queue.put_nowait((i, None))
+        except Exception as e:  # handed to the reader, which owns the HTTP answer
+            self.queue.put_nowait((i, e))
+
+    async def events(self):
+        """(prompt index, RequestOutput) until every prompt finished, or nothing more once closed."""
+        while not all(self.done):
+            i, item = await self.queue.get()
+            if item is _CLOSED:
+                return
+            if item is None:
+                self.done[i] = True
+                continue
+            if isinstance(item, BaseException):
+                raise item
+            self._observe(i, item)
+            yield i, item
+        m = self.state.metrics
+        m.e2e.observe(time.perf_counter() - self.arrival)
+
+    def _observe(self, i: int, out) -> None:
+        # Latencies as the client sees them; one step can bring several tokens (one per choice with n > 1).
+        new = 0
+        for o in out.outputs:
+            key = (i, o.index)
+            new = max(new, len(o.token_ids) - self.tokens_seen.get(key, 0))
+            self.tokens_seen[key] = len(o.token_ids)
+            if o.finish_reason is not None and out.finished:
+                self.state.metrics.request_finished(o.finish_reason)
+        if not new:
+            return
+        now = time.perf_counter()
+        m = self.state.metrics
+        if self.last_token_at is None:
+            m.ttft.observe(now - self.arrival)
+            self._leave_queue()
+        else:
+            gap = (now - self.last_token_at) / new
+            for _ in range(new):
+                m.itl.observe(gap)
+        self.last_token_at = now
+
+    def _leave_queue(self) -> None:
+        if self.queued:
+            self.queued = False
+            self.state.num_queued -= 1
+
+    def close(self) -> None:
+        """Idempotent end: cancels the pumps (closing the engine's streams) and aborts unfinished requests,
+        so their KV blocks are freed at the next step."""
+        if self.closed:
+            return
+        self.closed = True
+        self._leave_queue()
+        for pump in self.pumps:
+            pump.cancel()
+        for engine_id, done in zip(self.engine_ids, self.done):
+            if not done:
+                self.state.engine.abort(engine_id)
+                for _ in range(self.params.n):
+                    self.state.metrics.request_finished("abort")
+        self.state.num_in_flight -= 1
+        self.state.generations.discard(self)
+        self.queue.put_nowait((None, _CLOSED))
+
+
+async def _close_on_disconnect(request: Request, gen: Generation) -> None:
+    # The body is read already, so the next ASGI message is the disconnect; a non-streaming request
+    # has no other way to notice that its client left.
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            gen.close()
+            return
+
+
+def _sse(obj) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+async def generate(state: ServerState, request: Request, chat: bool, model: str, prompts: list[list[int]],
+                    params, stream: bool, include_usage: bool, lora_name: str | None = None):
+    """Run one completions / chat request; returns a JSON or a server-sent-events response."""
+    if include_usage and not stream:
+        raise APIError(400, "stream_options is only allowed with stream=true.", param="stream_options")
+    state.admit()
+    request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+    created, n = int(time.time()), params.n
+    want_logprobs = params.logprobs is not None
+    head = {"id": request_id, "object": ("chat.completion" if chat else "text_completion"),
+            "created": created, "model": model}
+    prompt_tokens = sum(len(p) for p in prompts)
+    gen = Generation(state, request_id, prompts, params, lora_name)
+    watcher = asyncio.create_task(_close_on_disconnect(request, gen))
+
+    def logprobs_of(entries, text_offset):
+        if not want_logprobs:
+            return None
+        if chat:
+            return chat_logprobs(entries or [], state.decode_token)
+        return completion_logprobs(entries or [], state.decode_token, text_offset)
+
+    def completion_tokens():
+        return sum(gen.tokens_seen.values())
+
+    if not stream:
+        try:
+            final: dict[int, object] = {}
+            async for i, out in gen.events():
+                final[i] = out
+            if not all(gen.done):  # the client left; nobody reads this
+                return Response(status_code=499)
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
+        finally:
+            watcher.cancel()
+            gen.close()
+        choices = []
+        for i in sorted(final):
+            for o in sorted(final[i].outputs, key=lambda o: o.index):
+                c = {"index": i * n + o.index, "logprobs": logprobs_of(o.logprobs, 0),
+                     "finish_reason": o.finish_reason, "stop_reason": o.stop_reason}
+                if chat:
+                    c["message"] = {"role": "assistant", "content": o.text}
+                else:
+                    c["text"] = o.text
+                choices.append(c)
+        return JSONResponse({**head, "choices": choices, "usage": usage(prompt_tokens, completion_tokens())})
+
+    chunk_head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
+    extra = {"usage": None} if include_usage else {}
+
+    async def events():
+        seen: dict[int, list[int]] = {}  # choice index -> [text length sent, logprobs sent]
+        finished: set[int] = set()
+        pending: list[str] = []  # events not yet written: several steps' worth go out in one write
+        try:
+            if chat:  # the role first, as OpenAI does; it also sends the headers before the first token
+                for index in range(len(prompts) * n):
+                    yield _sse({**chunk_head, "choices": [{"index": index, "delta": {"role": "assistant",
+                                "content": ""}, "logprobs": None, "finish_reason": None}], **extra})
+            async for i, out in gen.events():
+                for o in out.outputs:
+                    index = i * n + o.index
+                    if index in finished:
+                        continue
+                    sent = seen.setdefault(index, [0, 0])
+                    text, entries = o.text[sent[0]:], (o.logprobs or [])[sent[1]:]
+                    if not text and not entries and o.finish_reason is None:
+                        continue
+                    offset, sent[0], sent[1] = sent[0], len(o.text), len(o.logprobs or [])
+                    if o.finish_reason is not None:
+                        finished.add(index)
+                    c = {"index": index, "logprobs": logprobs_of(entries, offset),
+                         "finish_reason": o.finish_reason, "stop_reason": o.stop_reason}
+                    if chat:
+                        c["delta"] = {"content": text} if text else {}
+                    else:
+                        c["text"] = text
+                    pending.append(_sse({**chunk_head, "choices": [c], **extra}))
+                if pending and gen.queue.empty():  # caught up with the engine: write what we have
+                    yield "".join(pending)
+                    pending.clear()
+            if include_usage:
+                pending.append(_sse({**chunk_head, "choices": [], "usage": usage(prompt_tokens, completion_tokens())}))
+        except APIError as e:
+            pending.append(_sse(e.body()))
+        except ValueError as e:
+            pending.append(_sse(error_body(str(e))))
+        except Exception as e:  # the status line is sent already: report in-band, as vLLM does
+            log.exception("stream %s failed", request_id)
+            pending.append(_sse(error_body(f"internal error: {e}", type="internal_error")))
+        finally:
+            watcher.cancel()
+            gen.close()
+        yield "".join(pending) + "data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

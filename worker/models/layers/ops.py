@@ -1,0 +1,197 @@
+"""The hot-path operations the models call: Triton kernels on CUDA, their plain-torch references elsewhere.
+
+One switch, chosen once per process: `use_triton(True/False)`; the model runner sets it from the device.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from pagefleet.kernels import reference as ref
+from pagefleet.worker.models.layers.context import is_graphed
+
+_triton = None  # the kernels modules when Triton is in use, else None
+
+
+def use_triton(enabled: bool) -> None:
+    global _triton
+    if not enabled:
+        _triton = None
+        return
+    from pagefleet.kernels import activation, arrivals, attention, fp8, gemv, greedy, kv_cache, norm, prefill_attention, rope
+
+    _triton = {"arrivals": arrivals, "attention": attention, "kv_cache": kv_cache, "norm": norm, "rope": rope, "activation": activation, "gemv": gemv,
+               "greedy": greedy, "prefill_attention": prefill_attention, "fp8": fp8}
+
+
+SKINNY_MAX_ROWS = 16  # up to this many tokens a linear is a weight read: our GEMV beat cuBLAS there (docs/benchmarks-kernels.md)
+# e4m3 weights: at 32 rows the GEMV still beat quantise + _scaled_mm on every decoder shape (down 27.9 us
+# against 42.0; batch-32 decode step 5.60 -> 4.77 ms), at 64 it lost on three of four (run N)
+SKINNY_MAX_ROWS_FP8 = 32
+
+
+def skinny_rows(x, fp8: bool = False) -> bool:
+    """True where linears of x's rows (or of the tokens x holds) go to our GEMV: a graph capture of a few
+    rows (fp8: of a model with e4m3 decoder weights). _skinny adds that the rows are half precision.
+
+    Only inside a CUDA graph capture: a Triton launch costs the host far more than a cuBLAS call
+    (--enforce-eager at batch 1 went from ~14 to ~49 ms a step), and a graph replays it for free."""
+    max_rows = SKINNY_MAX_ROWS_FP8 if fp8 else SKINNY_MAX_ROWS
+    return bool(_triton and x.shape[0] <= max_rows and is_graphed())
+
+
+def reserve_arrivals(device) -> None:
+    """Allocate the merging kernels' counters before a graph capture, which could not zero them."""
+    if _triton:
+        _triton["arrivals"].reserve(device)
+
+
+def _skinny(x, weight, weight_scale=None) -> bool:
+    return (skinny_rows(x, weight_scale is not None) and x.dtype in (torch.bfloat16, torch.float16)
+            and (weight.dtype == x.dtype or weight_scale is not None))
+
+
+class Fp8Rows(NamedTuple):
+    """Token rows the kernel before an FP8 GEMM already quantised per token (e4m3 q [T, K], fp32 scale [T, 1]):
+    what a norm or the activation hands the next e4m3 linear in place of bf16 rows. dtype: the rows' own
+    dtype, which the GEMM writes."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    dtype: torch.dtype
+
+
+def linear(x, weight, bias=None, out=None, weight_scale=None):
+    """weight_scale [N] fp32: weight is e4m3 (worker/fp8.py). A decode graph's few rows then read it through our
+    GEMV unquantised (weight-only FP8, half the bytes of bf16); other calls quantise x per token for
+    torch._scaled_mm (kernels/fp8.py), unless x is Fp8Rows, quantised already."""
+    if isinstance(x, Fp8Rows):
+        y = (_triton["fp8"] if _triton else ref).fp8_gemm(x.q, x.scale, weight, weight_scale, bias, out_dtype=x.dtype)
+        return y if out is None else out.copy_(y)
+    if _skinny(x, weight, weight_scale):
+        return _triton["gemv"].skinny_matmul(x, weight, bias, out=out, weight_scale=weight_scale)
+    if weight_scale is not None:
+        y = (_triton["fp8"] if _triton else ref).fp8_linear(x, weight, weight_scale, bias)
+        return y if out is None else out.copy_(y)
+    if out is None:
+        return F.linear(x, weight, bias)
+    return torch.addmm(bias, x, weight.t(), out=out) if bias is not None else torch.mm(x, weight.t(), out=out)
+
+
+def linear_silu_and_mul(x, weight, bias=None, sumsq=None, eps=0.0, weight_scale=None):
+    """The gated MLP's first half: silu_and_mul(linear(x, [gate; up])). In a decode graph one GEMV does
+    both (the activation in its epilogue); elsewhere a GEMM, then the activation kernel.
+    sumsq: x is a folded norm's input, as in linear_normed."""
+    if sumsq is not None:
+        return _gemv().skinny_matmul(x, weight, bias, gated=True, sumsq=sumsq, eps=eps, weight_scale=weight_scale)
+    if _skinny(x, weight, weight_scale):
+        return _triton["gemv"].skinny_matmul(x, weight, bias, gated=True, weight_scale=weight_scale)
+    return silu_and_mul(linear(x, weight, bias, weight_scale=weight_scale))
+
+
+# The folded-norm decode path (LlamaForCausalLM.forward_folded): our GEMV on CUDA, the references elsewhere.
+def _gemv():
+    return _triton["gemv"] if _triton else ref
+
+
+def linear_normed(x, weight, bias, sumsq, eps, weight_scale=None):
+    """linear(rms_norm(x)) where the norm's weight is folded into weight's columns and sumsq [n, M] holds
+    partial sums of x's squared rows: the norm is a per-row scale of the product, not a launch."""
+    return _gemv().skinny_matmul(x, weight, bias, sumsq=sumsq, eps=eps, weight_scale=weight_scale)
+
+
+def linear_add(x, weight, bias, residual, weight_scale=None):
+    """-> (residual + linear(x), partial sums of its squared rows [n, M]) for the linear_normed after it."""
+    return _gemv().skinny_matmul(x, weight, bias, residual=residual, weight_scale=weight_scale)
+
+
+def embed_rows(ids, table):
+    """ids [M] -> (table[ids], their sums of squares [1, M] fp32): a folded decode step's embeddings and the
+    sumsq its first GEMV reads (no GEMV wrote these rows)."""
+    return (_triton["norm"] if _triton and ids.is_cuda else ref).embed_rows(ids, table)
+
+
+def argmax(logits):
+    """The first index of each row's maximum; on CUDA one launch spread over the GPU (torch's own takes
+    36 us for one 128k-vocabulary row)."""
+    return _triton["greedy"].argmax(logits) if _triton and logits.is_cuda else ref.argmax(logits)
+
+
+def rms_norm(x, weight, eps):
+    return _triton["norm"].rms_norm(x, weight, eps) if _triton else ref.rms_norm(x, weight, eps)
+
+
+def fused_add_rms_norm(x, residual, weight, eps):
+    return _triton["norm"].fused_add_rms_norm(x, residual, weight, eps) if _triton else ref.fused_add_rms_norm(x, residual, weight, eps)
+
+
+def silu_and_mul(x):
+    return _triton["activation"].silu_and_mul(x) if _triton else ref.silu_and_mul(x)
+
+
+# The same three, quantised per token for the FP8 GEMM after them: one kernel instead of two, and no bf16
+# round trip of the rows through memory.
+def rms_norm_fp8(x, weight, eps) -> Fp8Rows:
+    return Fp8Rows(*(_triton["norm"] if _triton else ref).rms_norm_fp8(x, weight, eps), x.dtype)
+
+
+def fused_add_rms_norm_fp8(x, residual, weight, eps) -> tuple[Fp8Rows, torch.Tensor]:
+    q, scale, new_residual = (_triton["norm"] if _triton else ref).fused_add_rms_norm_fp8(x, residual, weight, eps)
+    return Fp8Rows(q, scale, x.dtype), new_residual
+
+
+def silu_and_mul_fp8(x) -> Fp8Rows:
+    return Fp8Rows(*(_triton["activation"] if _triton else ref).silu_and_mul_fp8(x), x.dtype)
+
+
+def apply_rope(q, k, positions, cos_sin_cache):
+    return _triton["rope"].apply_rope(q, k, positions, cos_sin_cache) if _triton else ref.apply_rope(q, k, positions, cos_sin_cache)
+
+
+def rope_and_write_kv(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping):
+    """Rotate q and k and write k, v into the paged cache (one kernel on CUDA); -> rotated q."""
+    impl = _triton["rope"] if _triton else ref
+    return impl.rope_and_write_kv(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping)
+
+
+def decode_warmup_batches(max_num_seqs: int, num_kv_heads: int) -> list[int]:
+    """One batch size for each decode-attention launch setting a step of up to max_num_seqs sequences can
+    take (splits and key tile from decode_config, RoPE fused below ROPE_MAX_BATCH): what a warm-up runs so
+    that no kernel variant compiles mid-run."""
+    if not _triton:
+        return []
+    attention = _triton["attention"]
+    first = {}
+    for b in range(1, max_num_seqs + 1):
+        first.setdefault((attention.decode_config(b, num_kv_heads), b < attention.ROPE_MAX_BATCH), b)
+    return sorted(first.values())
+
+
+def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len, out=None, eager_step=False,
+                           new_kv=None, pdl_chain=False):
+    """new_kv=(k, v, positions, cos_sin_cache, slot_mapping): q, k before RoPE; the same launch rotates them and
+    writes k, v to the cache (one launch fewer a layer than rope_and_write_kv first).
+    pdl_chain: q, k, v come straight from our GEMV, itself launched with programmatic dependent launch
+    (kernels/pdl.py), so this launch may be too. After a cuBLAS GEMM or a norm it measured slower (run T)."""
+    if not _triton:
+        return ref.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale=scale, max_seq_len=max_seq_len, out=out,
+                                          new_kv=new_kv)
+    # A pure decode step run eagerly (--enforce-eager) is bound by the host's launch rate, not the GPU:
+    # splitting the keys would add a reduce launch and two allocations per layer for GPU time nobody
+    # waits on (batch 1: 71 against 44 tok/s). Graph replays and mixed steps keep the split.
+    splits = 1 if eager_step and not is_graphed() else None
+    return _triton["attention"].paged_decode_attention(
+        q, k_cache, v_cache, block_tables, seq_lens, scale=scale, max_seq_len=max_seq_len, out=out, num_splits=splits,
+        new_kv=new_kv, pdl_chain=pdl_chain,
+    )
+
+
+def paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, max_seq_len, out=None):
+    impl = _triton["prefill_attention"] if _triton else ref
+    return impl.paged_prefill_attention(
+        q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale=scale, max_seq_len=max_seq_len, out=out
+    )
+
