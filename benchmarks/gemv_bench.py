@@ -11,6 +11,8 @@ reference on fresh random inputs, then timed inside a CUDA graph that runs it 32
 different weights of the shape (so the 50 MB L2 cannot hold the weight): time per op = graph time / 32,
 median of 20 replays. Bandwidth = weight bytes / time, beside a measured device copy (read + write).
 Writes OUT_DIR/gemv.json (rows, every config timed, the decode-step totals) and OUT_DIR/gemv.md (the table).
+Apart from kernels_bench.py, and over 300 lines, because it times inside CUDA graphs over many weights and
+sweeps each shape's tiles, which no other kernel needs.
 """
 import argparse
 import itertools
@@ -21,20 +23,14 @@ import statistics
 import sys
 import time
 import traceback
+from functools import partial
 
+import pagefleet.kernels.arrivals as arrivals
+import pagefleet.kernels.fp8 as F8
+import pagefleet.kernels.gemv as G
+import pagefleet.kernels.reference as R
 import torch
 import torch.nn.functional as F
-
-try:
-    import pagefleet.kernels as K
-except ImportError:  # not installed: the kernels folder is a package on its own
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-    import kernels as K
-from importlib import import_module
-
-G = import_module(K.__name__ + ".gemv")
-F8 = import_module(K.__name__ + ".fp8")
-R = K.reference
 
 SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
           "lm_head": (128256, 4096)}  # Llama-3.1-8B: name -> (N, K)
@@ -53,7 +49,7 @@ def parse_args():
     p.add_argument("--max-configs", type=int, default=40, help="sweep size per (shape, M), default included")
     p.add_argument("--weights", type=int, default=32, help="distinct weights per graph (ops per graph)")
     p.add_argument("--reps", type=int, default=20, help="graph replays timed (median)")
-    p.add_argument("--fp8", action="store_true", help="e4m3 weights with per-row scales (worker/fp8.py's layout)")
+    p.add_argument("--fp8", action="store_true", help="e4m3 weights with per-row scales (worker/models/layers/fp8.py)")
     p.add_argument("--shapes", default=None, help="comma-separated subset of " + ",".join(SHAPES))
     return p.parse_args()
 
@@ -134,8 +130,8 @@ def sweep_configs(M, N, K, default, num_sms, limit, weight_bytes=2):
     that leave SMs idle, split-K where the N tiles alone give 2 programs an SM, empty splits.
     """
     def distance(c):
-        changed = sum(a != b for a, b in zip(c, default))
-        return changed, sum(abs(math.log2(a) - math.log2(b)) for a, b in zip(c, default))
+        changed = sum(a != b for a, b in zip(c, default, strict=True))
+        return changed, sum(abs(math.log2(a) - math.log2(b)) for a, b in zip(c, default, strict=True))
 
     keep = []
     for c in itertools.product(*SWEEP.values()):
@@ -182,21 +178,21 @@ def bench_shape(name, N, K, Ms, args, dtype, device, num_sms, failures):
         x = torch.randn(M, K, device=device).to(dtype)
         expected = R.skinny_matmul(x.float(), weights[0].float())
 
-        def ours(w, **kw):
+        def ours(w, x=x, **kw):
             return G.skinny_matmul(x, w, weight_scale=scales[id(w)] if scales else None, **kw)
 
         def tbps(us):
             return weight_bytes / us / 1e6
 
         cublas_err = rel_err(F.linear(x, weights[0]), expected)
-        cublas_us = time_per_op(lambda w: F.linear(x, w), weights, args.reps)
+        cublas_us = time_per_op(partial(F.linear, x), weights, args.reps)
         scaled_mm_us = None
         if args.fp8:
-            scaled_mm_us = time_per_op(lambda w: F8.fp8_linear(x, w, scales[id(w)]), quantized, args.reps)
+            scaled_mm_us = time_per_op(lambda w, x=x: F8.fp8_linear(x, w, scales[id(w)]), quantized, args.reps)
         default = G.default_config(M, N, K, num_sms, ours_weights[0].element_size())
         timed = []
         for c in sweep_configs(M, N, K, default, num_sms, args.max_configs, ours_weights[0].element_size()):
-            kw = dict(zip(KEYS, c))
+            kw = dict(zip(KEYS, c, strict=True))
             try:
                 out = torch.full((M, N), float("nan"), device=device, dtype=dtype)
                 err = rel_err(ours(ours_weights[0], out=out, **kw), expected)
@@ -204,19 +200,20 @@ def bench_shape(name, N, K, Ms, args, dtype, device, num_sms, failures):
                     failures.append(f"{name} M={M} {config_name(c)}: rel err {err:.2e}")
                     print(f"  FAIL {name} M={M} {config_name(c)}: rel err {err:.2e} (tol {tol:.0e})", flush=True)
                     continue
-                us = time_per_op(lambda w: ours(w, **kw), ours_weights, args.reps)
+                us = time_per_op(partial(ours, **kw), ours_weights, args.reps)
             except Exception as e:  # a config that does not compile (shared memory, registers) is skipped
                 print(f"  skip {config_name(c)}: {type(e).__name__}: {str(e).splitlines()[0][:120]}", flush=True)
                 continue
             timed.append({"config": dict(kw), "us": us, "TBps": tbps(us), "rel_err": err})
-        ours = timed[0] if timed and timed[0]["config"] == dict(zip(KEYS, default)) else None
+        ours = timed[0] if timed and timed[0]["config"] == dict(zip(KEYS, default, strict=True)) else None
         if ours is None:
             failures.append(f"{name} M={M}: the default config failed")
         best = min(timed, key=lambda t: t["us"]) if timed else None
         row = {"shape": name, "N": N, "K": K, "M": M, "weight_MB": weight_bytes / 1e6,
-               "cublas_us": cublas_us, "cublas_TBps": N * K * weights[0].element_size() / cublas_us / 1e6, "cublas_rel_err": cublas_err,
+               "cublas_us": cublas_us, "cublas_TBps": N * K * weights[0].element_size() / cublas_us / 1e6,
+               "cublas_rel_err": cublas_err,
                "scaled_mm_us": scaled_mm_us,
-               "default_config": dict(zip(KEYS, default)),
+               "default_config": dict(zip(KEYS, default, strict=True)),
                "default_us": ours and ours["us"], "default_TBps": ours and ours["TBps"],
                "default_rel_err": ours and ours["rel_err"],
                "best_config": best and best["config"], "best_us": best and best["us"],
@@ -289,7 +286,7 @@ def write_results(out_dir, rows, copy_tbps, num_sms, failures, seconds, device_n
 def main():
     args = parse_args()
     device = "cpu" if args.dry_run else "cuda"
-    import_module(K.__name__ + ".arrivals").reserve(device)  # split-K configs merge through them, in graphs too
+    arrivals.reserve(device)  # split-K configs merge through them, in graphs too
     dtype = torch.float32 if args.dry_run else torch.bfloat16  # the interpreter mishandles bf16 arithmetic
     shapes = DRY_SHAPES if args.dry_run else SHAPES
     if args.shapes:

@@ -7,12 +7,14 @@ Sections (each prints as it goes, failures are reported and the run goes on):
   hf            transformers generate() on the first 64 requests of the mixed workload (one static batch)
   static        batch 1 / 8 (512 in, 128 out), 64 / 128 / 256 (512 in, 256 out), time includes prefill
   eager         batch 1 / 8 as above: graphs against an engine started with enforce_eager, as vLLM measured
-                its 4.6x, and against the graphed engine with its decode graphs off (eager_bench.py)
+                its 4.6x, and against the graphed engine with its decode graphs off
   mixed         256 requests (seed 0) and 2048 requests (seed 1), the anchors' draws
   roofline      one decode step against its floor (weights + KV bytes / copy bandwidth)
   fp8           --quantization fp8: static, mixed 256 / 2048, and the decode steps against their floor
   startup       `pagefleet generate` process start to first token, in a fresh process
-Usage: python benchmarks/gpu_bench.py OUT_DIR [sections...]
+Usage: python3 benchmarks/gpu_bench.py OUT_DIR [sections...]   (writes OUT_DIR/gpu_bench.json as it goes)
+
+Over 300 lines on purpose: one file is one GPU session, and its sections share one engine and one checkpoint.
 """
 
 from __future__ import annotations
@@ -26,19 +28,16 @@ import time
 import traceback
 
 import torch
-
-sys.path.insert(0, os.path.dirname(__file__))
-from eager_bench import measure as measure_eager  # noqa: E402
-from make_checkpoint import make_checkpoint  # noqa: E402
-
-from pagefleet.worker.entrypoints.cli.bench_throughput import draw_requests, run_engine, run_hf, run_static  # noqa: E402
-from pagefleet.worker.core.config import EngineConfig  # noqa: E402
-from pagefleet.worker.engine.llm_engine import LLMEngine  # noqa: E402
-from pagefleet.worker.core.sampling_params import SamplingParams  # noqa: E402
-from pagefleet.worker.core.sequence import SequenceStatus  # noqa: E402
+from make_checkpoint import make_checkpoint  # benchmarks/ is on sys.path: it holds this script
+from pagefleet.worker import EngineConfig, SamplingParams
+from pagefleet.worker.core.sequence import SequenceStatus
+from pagefleet.worker.engine.llm_engine import LLMEngine
+from pagefleet.worker.entrypoints.cli.bench_throughput import draw_requests, run_engine, run_hf, run_static
 
 OUT = sys.argv[1] if len(sys.argv) > 1 else "."
 SECTIONS = sys.argv[2:] or ["ceilings", "correctness", "hf", "static", "eager", "mixed", "roofline", "startup"]
+
+
 def _roomy(path: str, need: float = 40e9) -> bool:
     try:
         st = os.statvfs(path)
@@ -109,8 +108,8 @@ def ceilings():
 
 def engine_settings(path, **kw) -> dict:
     # vLLM's offline defaults on this GPU class (its anchor figures ran on them): 1024 sequences, 16384 batched
-    # tokens. Only the 2048-request mixed workload runs past 512 at once (run V: 512 -> 1024 gave bf16 9,869 ->
-    # 10,132 and FP8 12,458 -> 13,177 tok/s); decode graphs stop at 512 sequences either way.
+    # tokens. Only the 2048-request mixed workload runs past 512 at once (512 -> 1024 gave bf16 9,869 -> 10,132
+    # and FP8 12,458 -> 13,177 tok/s, docs/benchmarks.md); decode graphs stop at 512 sequences either way.
     return {**dict(model=path, max_model_len=4224, max_num_seqs=1024, max_num_batched_tokens=16384,
                    gpu_memory_fraction=0.9), **kw}
 
@@ -132,14 +131,15 @@ def correctness():
             eng = engine(path, enforce_eager="eager" in variant, quantization="fp8" if "fp8" in variant else None,
                          max_num_batched_tokens=128, max_num_seqs=16, gpu_memory_fraction=0.3)
             for i, p in enumerate(prompts):
-                eng.add_request(str(i), p, SamplingParams(temperature=0.0, max_tokens=17, ignore_eos=True, logprobs=0, detokenize=False))
+                eng.add_request(str(i), p, SamplingParams(temperature=0.0, max_tokens=17, ignore_eos=True, logprobs=0,
+                                                          detokenize=False))
             res = {}
             mixed = 0
             while eng.has_unfinished_requests():
                 for o in eng.step():
                     if o.finished:
                         res[o.request_id] = o.outputs[0]
-                r = eng.recent_steps[-1]
+                r = eng.stats().recent_steps[-1]
                 mixed += bool(r.num_prefill_tokens and r.num_decode_tokens)
             got[variant] = (res, mixed)
             del eng
@@ -156,11 +156,11 @@ def correctness():
                 lp = torch.log_softmax(logits, -1)[len(p) - 1 : len(p) - 1 + len(toks)]
                 ref = lp.gather(1, torch.tensor(toks, device="cuda")[:, None]).squeeze(1).tolist()
                 ours = [e.logprob for e in res[str(i)].logprobs]
-                diffs += [abs(a - b) for a, b in zip(ours, ref)]
-                agree += sum(int(t == a) for t, a in zip(toks, lp.argmax(-1).tolist()))
+                diffs += [abs(a - b) for a, b in zip(ours, ref, strict=False)]
+                agree += sum(int(t == a) for t, a in zip(toks, lp.argmax(-1).tolist(), strict=False))
                 total += len(toks)
             worst[variant] = {"max_abs_logprob_diff": max(diffs), "mean_abs_logprob_diff": sum(diffs) / len(diffs),
-                                                     "greedy_agreement": agree / total, "mixed_steps": mixed}
+                              "greedy_agreement": agree / total, "mixed_steps": mixed}
         del hf
         gc.collect()
         torch.cuda.empty_cache()
@@ -174,7 +174,8 @@ def hf_baseline(path):
     reqs = draw_requests(256, 0, (64, 1024), (32, 512), 128256)[:64]
     r = run_hf(path, reqs, 64, "cuda", torch.bfloat16)
     RESULTS["hf_mixed64"] = r
-    print(f"transformers, first 64 requests of mixed-256: {r['output_tok_per_s']:.1f} useful output tok/s in {r['seconds']:.1f}s")
+    print(f"transformers, first 64 requests of mixed-256: {r['output_tok_per_s']:.1f} useful output tok/s "
+          f"in {r['seconds']:.1f}s")
     gc.collect()
     torch.cuda.empty_cache()
 
@@ -191,10 +192,36 @@ def static(eng):
     RESULTS["static"] = rows
 
 
+EAGER_BATCHES = (1, 8)  # 512 prompt and 128 output tokens, as vLLM's enforce_eager figures (ANCHORS.md)
+
+
+def eager_rows(settings: dict) -> dict:
+    """{batch: {graphs, decode_graphs_off, enforce_eager}} output tok/s for EngineConfig(**settings): the graphed
+    engine, the same engine with only its decode graphs switched off (prompt graphs, mixed graphs and folded
+    norms stay), then an engine started with enforce_eager; one engine at a time on the GPU."""
+    rows = {b: {} for b in EAGER_BATCHES}
+    eng = LLMEngine(EngineConfig(**settings))
+    for b in EAGER_BATCHES:
+        rows[b]["graphs"] = run_static(eng, b, 512, 128)["output_tok_per_s"]
+        decode_graphs, eng.runner.graphs = eng.runner.graphs, None
+        rows[b]["decode_graphs_off"] = run_static(eng, b, 512, 128)["output_tok_per_s"]
+        eng.runner.graphs = decode_graphs
+    del eng, decode_graphs  # the graphs hold the model and its KV cache: all of it goes before the next engine
+    gc.collect()
+    torch.cuda.empty_cache()
+    eng = LLMEngine(EngineConfig(**settings, enforce_eager=True))
+    for b in EAGER_BATCHES:
+        rows[b]["enforce_eager"] = run_static(eng, b, 512, 128)["output_tok_per_s"]
+    del eng
+    gc.collect()
+    torch.cuda.empty_cache()
+    return rows
+
+
 @section("eager")
 def eager(path):
     """Engines of their own (one graphed, one enforce_eager), so it runs once the shared engine is gone."""
-    rows = measure_eager(engine_settings(path))
+    rows = eager_rows(engine_settings(path))
     for b, r in rows.items():
         r["speedup"] = r["graphs"] / r["enforce_eager"]
         print(f"batch {b}: --enforce-eager {r['enforce_eager']:.1f}, decode graphs off {r['decode_graphs_off']:.1f}, "
@@ -210,14 +237,16 @@ def mixed(eng):
         r = run_engine(eng, reqs, warmup=False)
         rows[f"{n}_seed{seed}"] = r
         print(f"mixed {n} (seed {seed}): {r['output_tok_per_s']:.1f} output tok/s, {r['total_tok_per_s']:.1f} total, "
-              f"KV waste {100 * r['kv_waste']:.2f} %, preemptions {r['preemptions']}, {r['seconds']:.1f}s", flush=True)
+              f"KV waste {100 * r['kv_waste']:.2f} %, preemptions {r['preemptions']}, {r['seconds']:.1f}s",
+              flush=True)
     RESULTS["mixed"] = rows
 
 
 def fake_prefilled(eng, batch, ctx):
     """Sequences whose first ctx-1 tokens count as cached (KV left as is): decode timing without prefill."""
     for i in range(batch):
-        eng.add_request(f"roof-{i}", [100 + (i * 7 + j) % 100000 for j in range(ctx)], SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True, detokenize=False))
+        eng.add_request(f"roof-{i}", [100 + (i * 7 + j) % 100000 for j in range(ctx)],
+                        SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True, detokenize=False))
     sched, bm = eng.scheduler, eng.block_manager
     while sched.waiting:
         seq = sched.waiting.popleft()
@@ -252,7 +281,8 @@ def decode_steps(eng, sizes=(1, 8, 64, 128, 256), contexts=(1024, 4096)):
         for b in sizes:
             need = b * -(-(ctx + 64) // eng.block_manager.block_size)
             if need > eng.block_manager.num_free_blocks:
-                rows.append({"batch": b, "context": ctx, "skipped": f"needs {need} blocks, cache has {eng.block_manager.num_blocks}"})
+                rows.append({"batch": b, "context": ctx,
+                             "skipped": f"needs {need} blocks, cache has {eng.block_manager.num_blocks}"})
                 print(rows[-1], flush=True)
                 continue
             eng.emit_partial = False
@@ -266,8 +296,10 @@ def decode_steps(eng, sizes=(1, 8, 64, 128, 256), contexts=(1024, 4096)):
                 eng.step()
             dt = (time.perf_counter() - t) / steps
             floor = (weight_bytes + b * (ctx + 10) * kv_per_token) / bw
-            rows.append({"batch": b, "context": ctx, "step_ms": dt * 1e3, "floor_ms": floor * 1e3, "of_floor": floor / dt})
-            print(f"decode b={b} ctx={ctx}: {dt * 1e3:.2f} ms/step, floor {floor * 1e3:.2f} ms -> {100 * floor / dt:.1f} %", flush=True)
+            rows.append({"batch": b, "context": ctx, "step_ms": dt * 1e3, "floor_ms": floor * 1e3,
+                         "of_floor": floor / dt})
+            print(f"decode b={b} ctx={ctx}: {dt * 1e3:.2f} ms/step, floor {floor * 1e3:.2f} ms -> "
+                  f"{100 * floor / dt:.1f} %", flush=True)
             abort_all(eng)
     return rows
 
@@ -285,8 +317,8 @@ def fp8(path):
     for n, seed in ((256, 0), (2048, 1)):
         r = run_engine(eng, draw_requests(n, seed, (64, 1024), (32, 512), 128256), warmup=False)
         rows[f"mixed_{n}_seed{seed}"] = r
-        print(f"fp8 mixed {n} (seed {seed}): {r['output_tok_per_s']:.1f} output tok/s, KV waste {100 * r['kv_waste']:.2f} %, "
-              f"{r['seconds']:.1f}s", flush=True)
+        print(f"fp8 mixed {n} (seed {seed}): {r['output_tok_per_s']:.1f} output tok/s, "
+              f"KV waste {100 * r['kv_waste']:.2f} %, {r['seconds']:.1f}s", flush=True)
     RESULTS["fp8"] = rows
     del eng
     gc.collect()
@@ -296,8 +328,9 @@ def fp8(path):
 @section("startup")
 def startup(path):
     t = time.time()
-    p = subprocess.run([sys.executable, "-m", "pagefleet", "generate", "--model", path, "--max-tokens", "1", "--max-model-len", "2048",
-                        "--max-num-seqs", "256", "--max-num-batched-tokens", "8192", "t5 t6 t7"], capture_output=True, text=True)
+    p = subprocess.run([sys.executable, "-m", "pagefleet", "generate", "--model", path, "--max-tokens", "1",
+                        "--max-model-len", "2048", "--max-num-seqs", "256", "--max-num-batched-tokens", "8192",
+                        "t5 t6 t7"], capture_output=True, text=True)
     RESULTS["startup_s"] = time.time() - t
     print(p.stdout[-500:], p.stderr[-1500:])
     print(f"process start to first token (and exit): {RESULTS['startup_s']:.1f}s")
@@ -317,7 +350,8 @@ def main():
         RESULTS["engine_init_s"] = time.time() - t
         RESULTS["kv_blocks"] = eng.block_manager.num_blocks
         RESULTS["graph_capture_s"] = eng.runner.graphs.capture_seconds if eng.runner.graphs else None
-        print(f"engine up in {RESULTS['engine_init_s']:.1f}s: {eng.block_manager.num_blocks} KV blocks, profile {getattr(eng.runner, 'profile', None)}", flush=True)
+        print(f"engine up in {RESULTS['engine_init_s']:.1f}s: {eng.block_manager.num_blocks} KV blocks, "
+              f"profile {getattr(eng.runner, 'profile', None)}", flush=True)
         static(eng)
         mixed(eng)
         roofline(eng)

@@ -6,6 +6,8 @@
 Decode attention is reported as bytes of K/V read / time / measured device copy bandwidth; prefill
 attention as causal TFLOP/s / measured bf16 matmul TFLOP/s. Writes OUT_DIR/kernels.md (the table) and
 OUT_DIR/kernels_sweep.json (every configuration timed); OUT_DIR defaults to $OUT, as in the other benchmarks.
+Each kernel module is called directly (pagefleet.kernels.attention, ...), its plain-torch twin from
+pagefleet.kernels.reference. Over 300 lines on purpose: one script checks and times every kernel in one GPU run.
 """
 import argparse
 import json
@@ -14,24 +16,17 @@ import os
 import sys
 import time
 import traceback
+from functools import partial
 
+import pagefleet.kernels.activation as ACT
+import pagefleet.kernels.attention as A
+import pagefleet.kernels.fp8 as FP8
+import pagefleet.kernels.kv_cache as KV
+import pagefleet.kernels.norm as NORM
+import pagefleet.kernels.prefill_attention as PA
+import pagefleet.kernels.reference as R
+import pagefleet.kernels.rope as ROPE
 import torch
-
-try:
-    import pagefleet.kernels as K
-except ImportError:  # not installed: the kernels folder is a package on its own
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-    import kernels as K
-from importlib import import_module
-
-A = import_module(K.__name__ + ".attention")
-PA = import_module(K.__name__ + ".prefill_attention")
-KV = import_module(K.__name__ + ".kv_cache")
-NORM = import_module(K.__name__ + ".norm")
-ROPE = import_module(K.__name__ + ".rope")
-ACT = import_module(K.__name__ + ".activation")
-FP8 = import_module(K.__name__ + ".fp8")
-R = K.reference
 
 p = argparse.ArgumentParser()
 p.add_argument("out_dir", nargs="?", default=os.environ.get("OUT"), help="gets kernels.md and kernels_sweep.json")
@@ -164,7 +159,7 @@ def checks():
     prefixes = [0, 3 * big // 4, big // 2, 5, big, 100 if not DRY else 11, 9]
     for bs in (16, 32):
         for heads in (H, HKV):
-            lens = [a + b for a, b in zip(q_lens, prefixes)]
+            lens = [a + b for a, b in zip(q_lens, prefixes, strict=True)]
             kc, vc, bt, sl = make_paged(lens, bs)
             cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
             q = torch.randn(sum(q_lens), heads, D, device=DEV).to(DT)
@@ -241,7 +236,7 @@ def decode():
             q = torch.randn(B, H, D, device=DEV).to(DT)
             out = torch.empty_like(q)
             kv_bytes = 2 * B * ctx * HKV * D * kc.element_size()
-            default_ms = bench(lambda: A.paged_decode_attention(q, kc, vc, bt, sl, max_seq_len=ctx, out=out))
+            default_ms = bench(partial(A.paged_decode_attention, q, kc, vc, bt, sl, max_seq_len=ctx, out=out))
             auto = A.decode_config(B, HKV)[0]
             best = (default_ms, "auto", auto)
             configs = [] if args.no_sweep else [(16, 4, 2)] if DRY else DECODE_CONFIGS
@@ -253,7 +248,7 @@ def decode():
                     if B * HKV * splits > 8192 or ctx // splits < bn:
                         continue
                     kw = dict(block_n=bn, num_warps=w, num_stages=st, num_splits=splits)
-                    ms = bench(lambda: A.paged_decode_attention(q, kc, vc, bt, sl, max_seq_len=ctx, out=out, **kw))
+                    ms = bench(partial(A.paged_decode_attention, q, kc, vc, bt, sl, max_seq_len=ctx, out=out, **kw))
                     results["decode"].append({"B": B, "ctx": ctx, **kw, "ms": ms})
                     if ms < best[0]:
                         best = (ms, kw, splits)
@@ -289,19 +284,19 @@ def prefill():
         f"{n // 2}-token chunk after {n // 2} cached": ([n // 2], [n // 2]),
     }
     for name, (q_lens, prefixes) in cases.items():
-        lens = [a + b for a, b in zip(q_lens, prefixes)]
+        lens = [a + b for a, b in zip(q_lens, prefixes, strict=True)]
         kc, vc, bt, sl = make_paged(lens, 16)
         cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
         q = torch.randn(sum(q_lens), H, D, device=DEV).to(DT)
         out = torch.empty_like(q)
         # causal: query i of a sequence sees prefix + i + 1 keys; 2 matmuls x 2 flop per multiply-add
-        flops = sum(4 * H * D * (p * ql + ql * (ql + 1) // 2) for ql, p in zip(q_lens, prefixes))
-        default_ms = bench(lambda: PA.paged_prefill_attention(q, kc, vc, bt, sl, cu, out=out))
+        flops = sum(4 * H * D * (p * ql + ql * (ql + 1) // 2) for ql, p in zip(q_lens, prefixes, strict=True))
+        default_ms = bench(partial(PA.paged_prefill_attention, q, kc, vc, bt, sl, cu, out=out))
         best = (default_ms, "default")
         for bm, bn, w, st in ([] if args.no_sweep else [(16, 16, 4, 2)] if DRY else PREFILL_CONFIGS):
             kw = dict(block_m=bm, block_n=bn, num_warps=w, num_stages=st)
             try:
-                ms = bench(lambda: PA.paged_prefill_attention(q, kc, vc, bt, sl, cu, out=out, **kw))
+                ms = bench(partial(PA.paged_prefill_attention, q, kc, vc, bt, sl, cu, out=out, **kw))
             except Exception as e:  # e.g. out of shared memory for this tile
                 print(f"  {kw}: {type(e).__name__}", flush=True)
                 continue
@@ -319,8 +314,8 @@ def prefill():
             qd = q.transpose(0, 1).unsqueeze(0)
             kd = torch.randn(1, HKV, n, D, device=DEV, dtype=DT)
             vd = torch.randn_like(kd)
-            sdpa_ms = bench(lambda: torch.nn.functional.scaled_dot_product_attention(qd, kd, vd, is_causal=True,
-                                                                                     enable_gqa=True))
+            sdpa_ms = bench(partial(torch.nn.functional.scaled_dot_product_attention, qd, kd, vd, is_causal=True,
+                                      enable_gqa=True))
         row = {"case": name, "default_ms": default_ms, "default_TFLOPs": flops / default_ms / 1e9,
                "best_ms": best[0], "best_cfg": best[1], "best_TFLOPs": flops / best[0] / 1e9,
                "best_pct_matmul": flops / best[0] / 1e9 / mm * 100,
@@ -380,6 +375,10 @@ def small():
 # ---------------------------------------------------------------- table
 
 
+def config_text(cfg):
+    return cfg if isinstance(cfg, str) else ", ".join(f"{k}={v}" for k, v in cfg.items())
+
+
 def table():
     c = results["ceilings"]
     lines = [f"Device: {torch.cuda.get_device_name() if not DRY else 'CPU (dry run)'}; torch {torch.__version__}; "
@@ -391,16 +390,17 @@ def table():
     for d in results["decode"]:
         if "summary" in d:
             s = d["summary"]
-            cfg = s["best_cfg"] if isinstance(s["best_cfg"], str) else ", ".join(f"{k}={v}" for k, v in s["best_cfg"].items())
-            lines.append(f"| {s['B']} | {s['ctx']} | {s['MB']:.0f} | {s['default_ms'] * 1e3:.1f} | {s['default_pct']:.1f} "
-                         f"| {s['default_splits']} | {s['best_ms'] * 1e3:.1f} | {s['best_pct']:.1f} | {cfg} |")
+            cfg = config_text(s["best_cfg"])
+            lines.append(f"| {s['B']} | {s['ctx']} | {s['MB']:.0f} | {s['default_ms'] * 1e3:.1f} "
+                         f"| {s['default_pct']:.1f} | {s['default_splits']} | {s['best_ms'] * 1e3:.1f} "
+                         f"| {s['best_pct']:.1f} | {cfg} |")
     lines += ["", "Prefill attention (causal, paged, bf16), TFLOP/s and % of the measured matmul rate:", "",
               "| case | default TFLOP/s | best TFLOP/s | best % of matmul | best config | torch sdpa dense |",
               "|---|---|---|---|---|---|"]
     for d in results["prefill"]:
         if "summary" in d:
             s = d["summary"]
-            cfg = s["best_cfg"] if isinstance(s["best_cfg"], str) else ", ".join(f"{k}={v}" for k, v in s["best_cfg"].items())
+            cfg = config_text(s["best_cfg"])
             sd = f"{s['sdpa_TFLOPs']:.0f}" if s["sdpa_TFLOPs"] else "-"
             lines.append(f"| {s['case']} | {s['default_TFLOPs']:.0f} | {s['best_TFLOPs']:.0f} | "
                          f"{s['best_pct_matmul']:.0f} | {cfg} | {sd} |")
@@ -410,7 +410,8 @@ def table():
         if "TBps" in s:
             lines.append(f"| {s['name']} | {s['ms'] * 1e3:.1f} | {s['TBps']:.2f} | {s['pct']:.0f} |")
         else:
-            lines.append(f"| {s['name']} | {s['ms'] * 1e3:.1f} | {s['TFLOPs']:.0f} TFLOP/s (bf16 {s['bf16_TFLOPs']:.0f}) | - |")
+            lines.append(f"| {s['name']} | {s['ms'] * 1e3:.1f} | {s['TFLOPs']:.0f} TFLOP/s "
+                         f"(bf16 {s['bf16_TFLOPs']:.0f}) | - |")
     n_ok = sum(c["ok"] for c in results["checks"])
     lines += ["", f"Checks: {n_ok}/{len(results['checks'])} passed" + (f"; failed: {failures}" if failures else "")]
     return "\n".join(lines)

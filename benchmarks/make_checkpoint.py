@@ -37,20 +37,23 @@ CONFIGS = {
 def tensor_shapes(c: dict) -> dict[str, tuple[int, ...]]:
     h, i, d = c["hidden_size"], c["intermediate_size"], c["head_dim"]
     q, kv = c["num_attention_heads"] * d, c["num_key_value_heads"] * d
-    shapes = {"model.embed_tokens.weight": (c["vocab_size"], h), "model.norm.weight": (h,), "lm_head.weight": (c["vocab_size"], h)}
+    shapes = {"model.embed_tokens.weight": (c["vocab_size"], h), "model.norm.weight": (h,),
+              "lm_head.weight": (c["vocab_size"], h)}
     for layer in range(c["num_hidden_layers"]):
         p = f"model.layers.{layer}."
         shapes.update({
-            p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h), p + "self_attn.v_proj.weight": (kv, h),
-            p + "self_attn.o_proj.weight": (h, q), p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
-            p + "mlp.down_proj.weight": (h, i), p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
+            p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
+            p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h), p + "mlp.down_proj.weight": (h, i),
+            p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
         })
         if c["model_type"] == "qwen3":
             shapes.update({p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)})
     return shapes
 
 
-def make_checkpoint(name: str, folder: str, num_layers: int | None = None, std: float = 0.02, shard_bytes: int = 4 << 30) -> str:
+def make_checkpoint(name: str, folder: str, num_layers: int | None = None, std: float = 0.02,
+                    shard_bytes: int = 4 << 30) -> str:
     from pagefleet.worker.entrypoints.cli.bench_serve import write_word_tokenizer
 
     config = dict(CONFIGS[name])
@@ -77,7 +80,8 @@ def make_checkpoint(name: str, folder: str, num_layers: int | None = None, std: 
 
     for tname, shape in tensor_shapes(config).items():
         if len(shape) == 1:  # norm weights near 1, not exactly 1: the engine folds them into the next linears
-            t = (1 + 0.2 * torch.randn(shape, device="cuda", generator=gen, dtype=torch.float32)).to(torch.bfloat16).cpu()
+            t = 1 + 0.2 * torch.randn(shape, device="cuda", generator=gen, dtype=torch.float32)
+            t = t.to(torch.bfloat16).cpu()
         else:
             t = (torch.randn(shape, device="cuda", generator=gen, dtype=torch.float32) * std).to(torch.bfloat16).cpu()
         current[tname] = t
@@ -86,7 +90,8 @@ def make_checkpoint(name: str, folder: str, num_layers: int | None = None, std: 
             flush()
     flush()
     with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
-        json.dump({"metadata": {"total_size": sum(os.path.getsize(os.path.join(folder, s)) for s in shards)}, "weight_map": index}, f)
+        total = sum(os.path.getsize(os.path.join(folder, s)) for s in shards)
+        json.dump({"metadata": {"total_size": total}, "weight_map": index}, f)
     with open(done, "w") as f:
         json.dump(config, f, indent=1)
     with open(os.path.join(folder, "generation_config.json"), "w") as f:
