@@ -7,12 +7,11 @@ import re
 
 import pytest
 import torch
-
 from pagefleet.kernels import pdl
 from pagefleet.worker import LLM, SamplingParams
-from pagefleet.worker.models.layers import ops
-from pagefleet.worker.executor.startup import compile_workers as precompile
 from pagefleet.worker.executor.graphs.decode import DecodeGraphs
+from pagefleet.worker.executor.startup import compile_workers as precompile
+from pagefleet.worker.models.layers import ops
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -93,7 +92,7 @@ def assert_near_transformers(path, prompts, outs):
     """Each output's logprobs "within bf16 tolerance" of transformers in fp32: no worse than twice what
     transformers itself loses in bf16."""
     hf32, hf16 = transformers_pair(path)
-    for p, out in zip(prompts, outs):
+    for p, out in zip(prompts, outs, strict=True):
         toks = out.outputs[0].token_ids
         ref = chosen_logprobs(hf32, p, toks)
         hf_bf16_error = (chosen_logprobs(hf16, p, toks) - ref).abs().max().item()
@@ -131,7 +130,7 @@ def test_fp8_logprobs_near_transformers(tiny_models, arch):
     outs = generate_mixed(llm)
     hf32, hf16 = transformers_pair(path)
     ours, hf_bf16, ref = [], [], []
-    for p, out in zip(PROMPTS, outs):
+    for p, out in zip(PROMPTS, outs, strict=True):
         toks = out.outputs[0].token_ids
         ref.append(chosen_logprobs(hf32, p, toks))
         hf_bf16.append(chosen_logprobs(hf16, p, toks))
@@ -146,8 +145,8 @@ def test_fp8_quantised_rows_change_nothing(tiny_models):
     bit the tokens and logprobs of each GEMM quantising its own input."""
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("fp8 needs Ada or Hopper")
-    llm = LLM(str(tiny_models["llama"]), dtype="bfloat16", quantization="fp8", max_model_len=512, max_num_batched_tokens=64,
-              max_num_seqs=8, gpu_memory_fraction=0.2, enable_prefix_caching=False)
+    llm = LLM(str(tiny_models["llama"]), dtype="bfloat16", quantization="fp8", max_model_len=512,
+              max_num_batched_tokens=64, max_num_seqs=8, gpu_memory_fraction=0.2, enable_prefix_caching=False)
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=0)
 
     def run():
@@ -187,11 +186,12 @@ def test_pdl_decode_graphs_match_plain_ones(tiny_models, monkeypatch, quantizati
 
 @pytest.mark.parametrize("quantization", [None, "fp8"])
 def test_prompt_graphs_match_the_eager_path(tiny_models, monkeypatch, quantization):
-    """Prompt-only steps of up to 4 sequences and 1,024 tokens replay a captured graph (worker/executor/graphs/prompt.py),
-    padded to their bucket, a chunk that samples nothing among them. They give the eager path's tokens and
-    logprobs (on the H200: bit for bit; the bound leaves room for a GEMM that picks another algorithm at the
-    padded row count, not for a padding row that writes K/V or a logit taken from the wrong row), and
-    nothing compiles after start-up. The eager path itself is held to transformers by the tests above."""
+    """Prompt-only steps of up to 4 sequences and 1,024 tokens replay a captured graph
+    (worker/executor/graphs/prompt.py), padded to their bucket, a chunk that samples nothing among them. They give
+    the eager path's tokens and logprobs (on the H200: bit for bit; the bound leaves room for a GEMM that picks
+    another algorithm at the padded row count, not for a padding row that writes K/V or a logit taken from the
+    wrong row), and nothing compiles after start-up. The eager path itself is held to transformers by the tests
+    above. Every kind's graphs are in the one pool the decode graphs' capture made."""
     if quantization and torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("fp8 needs Ada or Hopper")
     forget_compiled_kernels()
@@ -200,11 +200,13 @@ def test_prompt_graphs_match_the_eager_path(tiny_models, monkeypatch, quantizati
     runner = llm.engine.runner
     pg = runner.prompt_graphs
     assert pg is not None and sorted(pg.graphs) == pg.buckets and pg.buckets[-1] == 1024
+    assert runner.graphs.pool is not None and pg.pool == runner.graphs.pool == runner.mixed_graphs.pool
     compiled = record_compiles(monkeypatch)
     # steps: 1 x 5 tokens, 64, 65 + 3, 1000 + a 24-token chunk (samples nothing), then its last 6 beside a
     # decode (eager), 4 prompts of 650 in all, 5 prompts (eager), 1001, 2
     lengths = [[5], [64], [65, 3], [1000, 30], [300, 200, 100, 50], [9, 8, 7, 6, 5], [1001], [2]]
-    groups = [[list(range(1000 + 9 * i + j, 1000 + 9 * i + j + n)) for j, n in enumerate(g)] for i, g in enumerate(lengths)]
+    groups = [[list(range(1000 + 9 * i + j, 1000 + 9 * i + j + n)) for j, n in enumerate(g)]
+              for i, g in enumerate(lengths)]
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)
 
     def run():
@@ -255,9 +257,10 @@ def test_mixed_graphs_match_the_eager_path(tiny_models, monkeypatch, quantizatio
     eager = [run(0), run(None)]
     assert mg.replays == replays
     assert all(graphed[0][1]) and not any(graphed[1][1])  # logprobs from the first run only
-    for (g_tokens, g_logprobs), (e_tokens, e_logprobs) in zip(graphed, eager):
+    for (g_tokens, g_logprobs), (e_tokens, e_logprobs) in zip(graphed, eager, strict=True):
         assert g_tokens == e_tokens
-        assert max((abs(a - b) for ga, ea in zip(g_logprobs, e_logprobs) for a, b in zip(ga, ea)), default=0.0) <= 0.01
+        pairs = [(a, b) for ga, ea in zip(g_logprobs, e_logprobs, strict=True) for a, b in zip(ga, ea, strict=True)]
+        assert max((abs(a - b) for a, b in pairs), default=0.0) <= 0.01
 
 
 @pytest.mark.parametrize("quantization", [None, "fp8"])
@@ -301,8 +304,8 @@ def test_compile_workers_fill_the_cache(tiny_models, tmp_path, monkeypatch, caps
         pytest.skip("fp8 needs Ada or Hopper")
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
     forget_compiled_kernels()
-    settings = dict(dtype="bfloat16", quantization=quantization, max_model_len=512, max_num_batched_tokens=48, max_num_seqs=16,
-                    gpu_memory_fraction=0.2)
+    settings = dict(dtype="bfloat16", quantization=quantization, max_model_len=512, max_num_batched_tokens=48,
+                    max_num_seqs=16, gpu_memory_fraction=0.2)
     llm = LLM(str(tiny_models["llama"]), compile_workers=3, **settings)
     out = capsys.readouterr().out
     assert "3 compile workers done" in out and "compile worker failed" not in out, out
@@ -313,5 +316,6 @@ def test_compile_workers_fill_the_cache(tiny_models, tmp_path, monkeypatch, caps
     forget_compiled_kernels()
     again = LLM(str(tiny_models["llama"]), compile_workers=3, **settings)
     out = capsys.readouterr().out  # none started (the engine's phase line still says "compile workers 0.0s")
-    assert not re.search(r"compile workers? (done|failed)|slowest compile worker|could not start a compile worker", out), out
+    started = r"compile workers? (done|failed)|slowest compile worker|could not start a compile worker"
+    assert not re.search(started, out), out
     assert [o.outputs[0].token_ids for o in again.generate(PROMPTS, params)] == first

@@ -1,13 +1,16 @@
-"""Mixed graphs (worker/executor/graphs/mixed.py) on CPU: the staged, padded buffers and the runner's routing give the
-same tokens as eager steps that mix decodes with prompt chunks. A stand-in replays each graph's forward
-eagerly, since CPU has no CUDA graphs; tests/executor/test_engine_gpu.py captures real ones."""
+"""Mixed graphs (worker/executor/graphs/mixed.py) on CPU: the staged, padded buffers and the graph manager's
+choice give the same tokens as eager steps that mix decodes with prompt chunks. A stand-in replays each graph's
+forward eagerly, since CPU has no CUDA graphs; tests/executor/test_engine_gpu.py captures real ones."""
 
 import numpy as np
 import pytest
-
+import torch
 from pagefleet.worker import LLM, SamplingParams
-from pagefleet.worker.executor.graphs.mixed import MixedGraphs, graph_keys, mixed_graph_bytes
-from pagefleet.worker.executor.graphs.prompt import MAX_SEQS, token_buckets
+from pagefleet.worker.core.config import EngineConfig
+from pagefleet.worker.executor.graphs.manager import GRAPH_RESERVE_BYTES, reserve_bytes
+from pagefleet.worker.executor.graphs.mixed import MixedGraphs, graph_keys
+from pagefleet.worker.executor.graphs.prompt import MAX_SEQS
+from pagefleet.worker.executor.step_inputs import StepInputs
 
 
 class EagerGraph:
@@ -21,35 +24,50 @@ class EagerGraph:
 
 
 def with_mixed_graphs(llm: LLM) -> MixedGraphs:
-    runner, config = llm.engine.runner, llm.engine.config
-    keys = graph_keys(config.max_num_seqs, token_buckets(config.max_num_batched_tokens)[-1])  # as the runner
-    mg = MixedGraphs(runner.model, runner.device, keys, runner.max_model_len, runner.max_blocks_per_seq)
-    mg.graphs = {k: EagerGraph(mg, k) for k in keys}
+    runner = llm.engine.runner
+    mg = MixedGraphs.for_config(runner.model, runner.device, llm.engine.config, runner.max_model_len,
+                                runner.max_blocks_per_seq)  # as bring-up builds them
+    mg.graphs = {k: EagerGraph(mg, k) for k in mg.keys}
     runner.mixed_graphs = mg
     return mg
 
 
-def test_keys_and_fits():
+def shape(num_decodes: int, chunks: list[int]) -> StepInputs:
+    """A step of num_decodes one-token entries ahead of prompt chunks of these lengths, for `fits`."""
+    counts = [1] * num_decodes + chunks
+    cu = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    return StepInputs(np.zeros((3, int(cu[-1])), dtype=np.int64), np.array(counts, dtype=np.int32), cu,
+                      np.zeros((len(counts), 4), dtype=np.int32), [], num_decodes if chunks else 0)
+
+
+def test_keys_and_reserve():
     keys = graph_keys(256, 1024)
     assert len(keys) == 32 and keys[-1] == (64, 1024)
     assert graph_keys(12, 256) == [(8, 64), (8, 128), (8, 256), (12, 64), (12, 128), (12, 256)]
     assert graph_keys(256, 48) == []
-    assert mixed_graph_bytes(10**6, 256, 48, 1000, np.dtype("float32")) == 0  # no prompt graphs, no mixed ones
+    no_prompt_graphs = EngineConfig(max_num_seqs=256, max_num_batched_tokens=48)
+    assert MixedGraphs.reserve_bytes(no_prompt_graphs, 1000, torch.float32, 10**6) == 0  # no mixed ones either
     # 64 padded decodes past the largest prompt graph's 1,024 rows, at the profiled 8,192-token step's rate
-    assert mixed_graph_bytes(8192 * 10, 256, 8192, 1000, np.dtype("float32")) == 64 * 10 + (64 + MAX_SEQS) * 1000 * 4
+    config = EngineConfig(max_num_seqs=256, max_num_batched_tokens=8192)
+    mixed = MixedGraphs.reserve_bytes(config, 1000, torch.float32, 8192 * 10)
+    assert mixed == 64 * 10 + (64 + MAX_SEQS) * 1000 * 4
+    # the manager's reserve: the pool and workspace, each kind's static logits and activations; none when eager
+    decode_logits, prompt = 256 * 1000 * 4, 1024 * 10 + MAX_SEQS * 1000 * 4
+    assert reserve_bytes(config, 1000, torch.float32, 8192 * 10) == GRAPH_RESERVE_BYTES + decode_logits + prompt + mixed
+    config.enforce_eager = True
+    assert reserve_bytes(config, 1000, torch.float32, 8192 * 10) == 0
 
 
 def test_stage_pads_decodes_and_prompt_tokens(tiny_models):
     llm = LLM(str(tiny_models["llama"]), max_model_len=512, max_num_batched_tokens=256, max_num_seqs=16)
     mg = with_mixed_graphs(llm)
-    assert mg.fits(16, MAX_SEQS, 128) and not mg.fits(17, 1, 8) and not mg.fits(1, MAX_SEQS + 1, 8)
-    assert not mg.fits(16, 1, 257) and not mg.fits(0, 1, 8) and not mg.fits(3, 0, 0)
+    assert mg.fits(shape(16, [32] * MAX_SEQS)) and not mg.fits(shape(17, [8])) and not mg.fits(shape(1, [2] * 5))
+    assert not mg.fits(shape(16, [257])) and not mg.fits(shape(0, [8])) and not mg.fits(shape(3, []))
     # two decodes (context 9 and 17), then chunks of 3 and 2 tokens
     tokens = np.array([[11, 12, 5, 6, 7, 8, 9], [8, 16, 0, 1, 2, 4, 5], [40, 41, 48, 49, 50, 64, 65]], dtype=np.int64)
     seq_lens, cu = np.array([9, 17, 3, 6], dtype=np.int32), np.array([0, 1, 2, 5, 7], dtype=np.int32)
     tables = np.array([[2, 0, 0, 0], [3, 4, 0, 0], [5, 0, 0, 0], [6, 7, 0, 0]], dtype=np.int32)
-    key, moved = mg.stage(tokens, seq_lens, cu, tables, [0, 1, 4, 6], num_decodes=2)
-    assert key == (8, 64) and moved.tolist() == [0, 1, 8, 9, 10, 11, 12]
+    assert mg.stage(StepInputs(tokens, seq_lens, cu, tables, [0, 1, 4, 6], 2)) == (8, 64)
     got = mg.tokens[:, :72].numpy()
     assert (got[:, :2] == tokens[:, :2]).all() and (got[:, 8:13] == tokens[:, 2:]).all()
     assert (got[2, 2:8] == -1).all() and (got[2, 13:] == -1).all()  # padding rows and tokens write nowhere
@@ -72,15 +90,16 @@ def test_graphed_mixed_steps_match_eager(tiny_models, arch, logprobs):
     their last token from the device into the padded rows."""
     lengths = [40, 20, 50, 30, 7, 25, 60, 250, 12, 64, 65]
     prompts = [list(range(200 + 11 * i, 200 + 11 * i + n)) for i, n in enumerate(lengths)]
-    params = [SamplingParams(temperature=0.0, max_tokens=5 + 3 * i, ignore_eos=True, logprobs=logprobs) for i in range(len(prompts))]
+    params = [SamplingParams(temperature=0.0, max_tokens=5 + 3 * i, ignore_eos=True, logprobs=logprobs)
+              for i in range(len(prompts))]
     settings = dict(max_model_len=512, max_num_batched_tokens=200, max_num_seqs=4)
     eager_llm, llm = LLM(str(tiny_models[arch]), **settings), LLM(str(tiny_models[arch]), **settings)
     mg = with_mixed_graphs(llm)
     assert mg.keys == [(4, 64), (4, 128)]
     eager, graphed = eager_llm.generate(prompts, params), llm.generate(prompts, params)
-    for e, g in zip(eager, graphed):
+    for e, g in zip(eager, graphed, strict=True):
         assert g.outputs[0].token_ids == e.outputs[0].token_ids
-        for le, lg in zip(e.outputs[0].logprobs or [], g.outputs[0].logprobs or []):
+        for le, lg in zip(e.outputs[0].logprobs or [], g.outputs[0].logprobs or [], strict=True):
             assert abs(lg.logprob - le.logprob) < 1e-4 and [t for t, _ in lg.top] == [t for t, _ in le.top]
     mixed = [s for s in llm.engine.recent_steps if s.num_decode_tokens and s.num_prefill_tokens]
     assert 5 <= mg.replays < len(mixed), (mg.replays, len(mixed))  # the 250-token prompt's first chunk: eager

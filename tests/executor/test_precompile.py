@@ -1,14 +1,14 @@
-"""Compile workers (worker/executor/startup/compile_workers.py): the process mechanics on CPU, where a worker builds its twin
-and has no kernels to compile. tests/executor/test_engine_gpu.py checks on CUDA that they compile what start-up needs."""
+"""Compile workers (worker/executor/startup/compile_workers.py): the process mechanics on CPU, where a worker builds
+its twin and has no kernels to compile. tests/executor/test_engine_gpu.py checks on CUDA that they compile what
+start-up needs."""
 
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-
-from pagefleet.worker.executor.startup import compile_workers as precompile
 from pagefleet.worker.core.config import EngineConfig
+from pagefleet.worker.executor.startup import compile_workers as precompile
 from pagefleet.worker.models.loader import load_model_config
 
 
@@ -48,7 +48,7 @@ def test_an_nvidia_gpu_is_told_without_torch(monkeypatch):
     """The engine starts its workers before it imports torch: the GPU check and the marker must not import it."""
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     for present in precompile.NVIDIA_DRIVER_FILES:
-        monkeypatch.setattr(precompile.os.path, "exists", lambda path: path == present)
+        monkeypatch.setattr(precompile.os.path, "exists", lambda path, present=present: path == present)
         assert precompile.nvidia_gpu_visible("auto") and precompile.nvidia_gpu_visible("cuda:1")
         assert not precompile.nvidia_gpu_visible("cpu")
     for hidden in ("", "-1"):
@@ -61,14 +61,17 @@ def test_an_nvidia_gpu_is_told_without_torch(monkeypatch):
 
 
 def test_the_engine_reaches_its_workers_before_torch(smollm2_path):
-    code = ("import sys; from pathlib import Path; import pagefleet.worker.entrypoints.serve, pagefleet.worker.engine.async_engine; "
-            "from pagefleet.worker import precompile; from pagefleet.worker.core.config import EngineConfig; "
+    code = ("import sys; from pathlib import Path; "
+            "import pagefleet.worker.entrypoints.serve, pagefleet.worker.engine.async_engine; "
+            "from pagefleet.worker.executor.startup import compile_workers as precompile; "
+            "from pagefleet.worker.core.config import EngineConfig; "
             "from pagefleet.worker.models.loader import load_model_config, resolve_model_path; "
             f"path = resolve_model_path({str(smollm2_path)!r}); "
             "precompile.warm_marker(EngineConfig(), load_model_config(path), 256); "
             "precompile.start(EngineConfig(), path, load_model_config(path), 256); "
             "print(sorted(m for m in ('torch', 'triton', 'transformers') if m in sys.modules))")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=str(smollm2_path))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          cwd=str(smollm2_path))
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().splitlines()[-1] == "[]"
 
@@ -77,14 +80,16 @@ def test_a_worker_without_cuda_exits_at_once(smollm2_path, tmp_path):
     if __import__("torch").cuda.is_available():
         pytest.skip("this machine has CUDA: a worker would compile")
     done = run_worker(EngineConfig(model=str(smollm2_path)), smollm2_path, tmp_path)
-    assert done.returncode == 0 and done.stderr.strip().splitlines()[-1] == "phases: no CUDA here, all 0.0s", done.stderr[-2000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert done.returncode == 0 and last == "phases: no CUDA here, all 0.0s", done.stderr[-2000:]
 
 
 def test_the_default_count_follows_the_container_cpu_limit(tmp_path, monkeypatch):
     monkeypatch.setattr(precompile.os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
     limit = tmp_path / "cpu.max"
     monkeypatch.setattr(precompile, "CGROUP_CPU_MAX", limit)
-    for text, cpus, workers in (("max 100000", 64, 6), ("200000 100000", 2, 1), ("450000 100000", 5, 2), ("50000 100000", 1, 1)):
+    limits = (("max 100000", 64, 6), ("200000 100000", 2, 1), ("450000 100000", 5, 2), ("50000 100000", 1, 1))
+    for text, cpus, workers in limits:
         limit.write_text(text + "\n")
         assert (precompile.usable_cpus(), precompile.auto_workers()) == (cpus, workers), text
     limit.unlink()  # no cgroup v2: the CPU set alone
@@ -165,7 +170,8 @@ def test_a_worker_that_cannot_start_is_not_fatal(smollm2_path, cache, capsys, mo
 
 def test_a_failed_worker_is_reported_not_fatal(smollm2_path, cache, capsys):
     mc = load_model_config(smollm2_path)
-    workers = precompile.CompileWorkers(EngineConfig(device="cpu", compile_workers=1), Path("/nonexistent-model"), mc, 256)
+    config = EngineConfig(device="cpu", compile_workers=1)
+    workers = precompile.CompileWorkers(config, Path("/nonexistent-model"), mc, 256)
     workers.wait()
     out = capsys.readouterr().out
     assert "a compile worker failed (exit 1: FileNotFoundError" in out and "nonexistent-model" in out

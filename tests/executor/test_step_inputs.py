@@ -1,15 +1,17 @@
-"""The model runner's step arrays (built with numpy over the whole batch) against a per-sequence rebuild."""
+"""The step inputs (worker/executor/step_inputs.py, built with numpy over the whole batch) against a per-sequence
+rebuild, and their uploads' alignment."""
 
 import numpy as np
 import pytest
-
+import torch
 from pagefleet.worker import LLM, SamplingParams
 from pagefleet.worker.core.scheduler import ScheduledBatch, _decodes_first
+from pagefleet.worker.executor.step_inputs import upload_int32, upload_rows
 
 
 def naive_prepare(batch, block_size):
     ids, pos, slots, lens, cu, rows = [], [], [], [], [0], []
-    for seq, k in zip(batch.seqs, batch.num_new_tokens):
+    for seq, k in zip(batch.seqs, batch.num_new_tokens, strict=True):
         start = seq.num_computed_tokens
         for p in range(start, start + k):
             ids.append(seq.token_ids[p])
@@ -19,46 +21,52 @@ def naive_prepare(batch, block_size):
         cu.append(cu[-1] + k)
         if start + k == seq.num_tokens:
             rows.append(cu[-1] - 1)
-    return np.array([ids, pos, slots]), np.array(lens), np.array(cu), rows
+    # the one-token entries ahead of the first prompt chunk, in a step that has one
+    counts = batch.num_new_tokens
+    num_decodes = 0 if all(k == 1 for k in counts) else next(i for i, k in enumerate(counts) if k != 1)
+    return np.array([ids, pos, slots]), np.array(lens), np.array(cu), rows, num_decodes
 
 
 @pytest.mark.parametrize("budget", [7, 40, 512])  # many chunks, a mix, whole prompts
 def test_prepare_matches_a_per_sequence_rebuild(tiny_models, budget):
-    llm = LLM(str(tiny_models["llama"]), max_model_len=256, num_gpu_blocks_override=200, max_num_batched_tokens=budget, block_size=8)
+    llm = LLM(str(tiny_models["llama"]), max_model_len=256, num_gpu_blocks_override=200,
+              max_num_batched_tokens=budget, block_size=8)
     runner = llm.engine.runner
     original = runner.prepare
     checked = []
 
     def checking_prepare(batch):
-        tokens, seq_lens, cu, tables, rows = original(batch)
-        want_tokens, want_lens, want_cu, want_rows = naive_prepare(batch, 8)
+        step = original(batch)
+        tokens, seq_lens, cu, tables, rows, num_decodes = step
+        want_tokens, want_lens, want_cu, want_rows, want_decodes = naive_prepare(batch, 8)
         assert np.array_equal(tokens, want_tokens) and np.array_equal(seq_lens, want_lens)
-        assert np.array_equal(cu, want_cu) and rows == want_rows
+        assert np.array_equal(cu, want_cu) and rows == want_rows and num_decodes == want_decodes
+        assert step.is_decode == (sum(batch.num_new_tokens) == len(batch.seqs))
         assert tables.shape[1] % 4 == 0  # rows start 16-byte aligned
         for i, seq in enumerate(batch.seqs):
-            assert list(tables[i, : len(seq.block_table)]) == seq.block_table and not tables[i, len(seq.block_table) :].any()
-        checked.append(sum(batch.num_new_tokens) > len(batch.seqs))
-        return tokens, seq_lens, cu, tables, rows
+            width = len(seq.block_table)
+            assert list(tables[i, :width]) == seq.block_table and not tables[i, width:].any()
+        checked.append((step.is_decode, num_decodes > 0))
+        return step
 
     runner.prepare = checking_prepare
     prompts = [list(range(100 + i, 100 + i + n)) for i, n in enumerate([3, 37, 9, 64, 1, 20])]
     llm.generate(prompts, [SamplingParams(temperature=0.0, max_tokens=5 + i, ignore_eos=True) for i in range(6)])
-    assert any(checked) and not all(checked)  # steps with prompt tokens and pure decode steps were both checked
+    # pure decode steps were checked, and steps with decodes ahead of prompt tokens (the 1-token prompt is one)
+    assert {(True, False), (False, True)} <= set(checked), checked
 
 
-def test_upload_int32_starts_every_array_16_byte_aligned(tiny_models):
-    llm = LLM(str(tiny_models["llama"]), max_model_len=256, num_gpu_blocks_override=32)
+def test_upload_int32_starts_every_array_16_byte_aligned():
     arrays = [np.arange(n, dtype=np.int32) + 10 * n for n in (1, 5, 3, 8, 2)]
-    for got, want in zip(llm.engine.runner._upload_int32(*arrays), arrays):
+    for got, want in zip(upload_int32(torch.device("cpu"), *arrays), arrays, strict=True):
         assert got.data_ptr() % 16 == 0 and got.tolist() == want.tolist()
 
 
 @pytest.mark.parametrize("num_tokens", [1, 7, 8, 333])
-def test_upload_rows_starts_every_row_16_byte_aligned(tiny_models, num_tokens):
+def test_upload_rows_starts_every_row_16_byte_aligned(num_tokens):
     """The positions row feeds RoPE; at an odd token count it started 8 bytes off, a new Triton compile."""
-    llm = LLM(str(tiny_models["llama"]), max_model_len=256, num_gpu_blocks_override=32)
     tokens = np.arange(3 * num_tokens, dtype=np.int64).reshape(3, num_tokens)
-    rows = llm.engine.runner._upload_rows(tokens)
+    rows = upload_rows(tokens, torch.device("cpu"))
     assert rows.shape == (3, num_tokens) and rows.tolist() == tokens.tolist()
     assert all(rows[i].data_ptr() % 16 == 0 and rows[i].is_contiguous() for i in range(3))
 

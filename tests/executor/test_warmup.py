@@ -1,13 +1,12 @@
-"""The start-up warm-up (worker/executor/startup/warmup.py) on CPU, through the reference ops: every case runs through the
-model and the attention metadata it builds, writes nothing to the KV cache, and the compile workers'
+"""The start-up warm-up (worker/executor/startup/warmup.py) on CPU, through the reference ops: every case runs
+through the model and the attention metadata it builds, writes nothing to the KV cache, and the compile workers'
 shares split the cases without gaps or overlaps. On the H200, tests/executor/test_engine_gpu.py checks that after
 start-up no kernel compiles."""
 
 import torch
-
 from pagefleet.worker import LLM
-from pagefleet.worker.models.layers import ops
 from pagefleet.worker.executor.startup.warmup import warm_up, warmup_cases
+from pagefleet.worker.models.layers import ops
 
 
 def test_shares_cover_every_case_once(monkeypatch):
@@ -23,9 +22,10 @@ def test_warm_up_runs_every_case_and_writes_nothing(tiny_models, monkeypatch, ca
     llm = LLM(str(tiny_models["llama"]), max_model_len=256, max_num_batched_tokens=64, max_num_seqs=8)
     runner = llm.engine.runner
     monkeypatch.setattr(ops, "decode_warmup_batches", lambda max_num_seqs, kv_heads: [1, 5])
-    before = [(layer.self_attn.attn.k_cache.clone(), layer.self_attn.attn.v_cache.clone()) for layer in runner.model.model.layers]
+    layers = runner.model.model.layers
+    before = [(layer.self_attn.attn.k_cache.clone(), layer.self_attn.attn.v_cache.clone()) for layer in layers]
     assert warm_up(runner) == 8
     assert "warmed up 8 eager step shapes" in capsys.readouterr().out
-    for (k, v), layer in zip(before, runner.model.model.layers):
+    for (k, v), layer in zip(before, layers, strict=True):
         assert torch.equal(k, layer.self_attn.attn.k_cache) and torch.equal(v, layer.self_attn.attn.v_cache)
     assert warm_up(runner, (9, 10)) == 0  # a compile worker beyond the last case runs none

@@ -1,1 +1,1 @@
-"""pagefleet.worker.executor.graphs: CUDA graphs for decode, prompt and mixed steps over static input buffers."""
+"""pagefleet.worker.executor.graphs: CUDA graphs of decode, prompt and mixed steps, and the manager that picks one."""

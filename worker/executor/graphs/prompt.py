@@ -1,8 +1,8 @@
 """Small prompt steps as CUDA graphs: one graph per token bucket over static input buffers.
 
 A prompt step of a few hundred tokens launches about 400 kernels from Python. On the H200 its kernels
-took 11.4 ms while the host took 18-38 ms to launch them (docs/benchmarks.md, run Q): the time to first
-token of a lone request was the host's. A graph replays those launches in one.
+take 11.4 ms while the host takes 18-38 ms to launch them (docs/benchmarks.md, lone prompts): the time to first
+token of a lone request is the host's. A graph replays those launches in one.
 
 A prompt-only step (no decodes, no LoRA) of at most MAX_SEQS sequences and MAX_TOKENS tokens is padded to
 the next bucket: padding tokens write their K/V nowhere (slot -1) and belong to no sequence, padding
@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-
+from pagefleet.worker.executor.graphs.base import StepGraphs
+from pagefleet.worker.executor.step_inputs import StepInputs, feed_device_tokens
 from pagefleet.worker.models.layers.context import forward_context
 from pagefleet.worker.models.layers.paged_attention import AttentionMetadata
-from pagefleet.worker.executor.graphs.decode import capture_each
 
 MAX_SEQS = 4  # prompts per graphed step: a lone request, or a few arriving together
 BUCKETS = (64, 128, 192, 256, 384, 512, 640, 768, 1024)  # tokens; the padding costs at most ~25 %
@@ -27,18 +27,9 @@ def token_buckets(max_num_batched_tokens: int) -> list[int]:
     return [b for b in BUCKETS if b <= max_num_batched_tokens]
 
 
-def prompt_graph_bytes(activation_peak: int, max_num_batched_tokens: int, vocab_size: int, dtype: torch.dtype) -> int:
-    """Memory the prompt graphs need beyond the decode graphs' reserve, for the KV budget to leave free: the
-    largest bucket's share of the profiled step's activations, and the static logits."""
-    buckets = token_buckets(max_num_batched_tokens)
-    if not buckets:
-        return 0
-    return activation_peak * buckets[-1] // max_num_batched_tokens + MAX_SEQS * vocab_size * dtype.itemsize
-
-
-class PromptGraphs:
+class PromptGraphs(StepGraphs):
     def __init__(self, model, device: torch.device, buckets: list[int], max_blocks_per_seq: int):
-        self.model = model
+        super().__init__(model, buckets)
         self.buckets = buckets
         t, s = buckets[-1], MAX_SEQS
         self.tokens = torch.zeros(3, t, dtype=torch.long, device=device)  # input ids, positions, slots
@@ -47,20 +38,24 @@ class PromptGraphs:
         self.seq_lens, self.cu_seqlens_q, self.block_tables = chunks.seq_lens, chunks.cu_seqlens_q, chunks.block_tables
         self.logits_rows = torch.zeros(s, dtype=torch.long, device=device)
         self.logits = torch.empty(s, model.lm_head.weight.shape[0], dtype=model.lm_head.weight.dtype, device=device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.capture_seconds = 0.0
-        self.replays = 0  # prompt steps run as a graph (tests, benchmarks)
 
-    def fits(self, num_seqs: int, num_tokens: int) -> bool:
-        return num_seqs <= MAX_SEQS and num_tokens <= self.buckets[-1]
+    @classmethod
+    def for_config(cls, model, device, config, max_model_len: int, max_blocks_per_seq: int) -> PromptGraphs | None:
+        """None: the token budget is below the smallest bucket."""
+        buckets = token_buckets(config.max_num_batched_tokens)
+        return cls(model, device, buckets, max_blocks_per_seq) if buckets else None
 
-    @torch.inference_mode()
-    def capture(self, share: tuple[int, int] | None = None, pool=None) -> None:
-        """share (i, n): every n-th bucket from the i-th (a compile worker's slice). pool: the decode
-        graphs' memory pool, shared: only one graph runs at a time."""
-        self.graphs, _, self.capture_seconds = capture_each(self.buckets, self._forward, self.tokens.device, share, pool)
-        print(f"pagefleet: captured {len(self.graphs)} prompt CUDA graphs ({min(self.graphs, default=0)}..{self.buckets[-1]} "
-              f"tokens) in {self.capture_seconds:.1f}s", flush=True)
+    @staticmethod
+    def reserve_bytes(config, vocab_size: int, dtype: torch.dtype, activation_peak: int) -> int:
+        """Memory beyond the decode graphs' reserve: the largest bucket's share of the profiled step's
+        activations, and the static logits."""
+        buckets = token_buckets(config.max_num_batched_tokens)
+        if not buckets:
+            return 0
+        return activation_peak * buckets[-1] // config.max_num_batched_tokens + MAX_SEQS * vocab_size * dtype.itemsize
+
+    def _captured(self) -> str:
+        return f"{len(self.graphs)} prompt CUDA graphs ({min(self.graphs, default=0)}..{self.buckets[-1]} tokens)"
 
     def _forward(self, t: int, graphed: bool) -> None:
         ids, positions, slots = self.tokens
@@ -70,28 +65,29 @@ class PromptGraphs:
             hidden = self.model(ids[:t], positions[:t])
             self.model.compute_logits(hidden[self.logits_rows], out=self.logits)
 
-    def stage(self, tokens: np.ndarray, seq_lens: np.ndarray, cu: np.ndarray, tables: np.ndarray,
-              logits_rows: list[int]) -> int:
-        """Copy one step's inputs into the static buffers, padded; -> the bucket to replay."""
-        total = tokens.shape[1]
+    def fits(self, step: StepInputs) -> bool:
+        """A prompt-only step (its first entry takes more than one token) of few sequences and tokens."""
+        return (not step.is_decode and step.num_decodes == 0 and step.num_seqs <= MAX_SEQS
+                and step.num_tokens <= self.buckets[-1])
+
+    def stage(self, step: StepInputs, feed: tuple[np.ndarray, torch.Tensor] | None = None) -> int:
+        """Copy one step's inputs into the static buffers, padded, then the tokens still on the device (feed)
+        into its input ids; -> the bucket to replay. A chunk that samples nothing still writes its K/V."""
+        total = step.num_tokens
         t = self.bucket(total)
         padded = np.zeros((3, t), dtype=np.int64)
         padded[2] = -1  # padding tokens write nowhere
-        padded[:, :total] = tokens
+        padded[:, :total] = step.tokens
         ints = self.chunks.host()
-        self.chunks.pack(ints, seq_lens, cu, tables)
+        self.chunks.pack(ints, step.seq_lens, step.cu, step.tables)
         rows = np.zeros(MAX_SEQS, dtype=np.int64)
-        rows[: len(logits_rows)] = logits_rows
+        rows[: len(step.logits_rows)] = step.logits_rows
         self.tokens[:, :t].copy_(torch.from_numpy(padded), non_blocking=True)
         self.chunks.upload(ints)
         self.logits_rows.copy_(torch.from_numpy(rows), non_blocking=True)
+        if feed is not None:
+            feed_device_tokens(self.tokens[0, :total], feed)
         return t
-
-    def replay(self, t: int, num_rows: int) -> torch.Tensor:
-        """Run the staged step; -> logits [num_rows, vocab] (a view of the static buffer, valid until the next replay)."""
-        self.graphs[t].replay()
-        self.replays += 1
-        return self.logits[:num_rows]
 
     def bucket(self, num_tokens: int) -> int:
         return next(b for b in self.buckets if b >= num_tokens)

@@ -1,1 +1,1 @@
-"""pagefleet.worker.executor.startup: start-up work: kernel warm-up, parallel compile workers, the frozen start-up heap."""
+"""pagefleet.worker.executor.startup: kernel warm-up, parallel compile workers, the frozen start-up heap."""

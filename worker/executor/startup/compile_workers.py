@@ -74,15 +74,17 @@ def warm_marker(config: EngineConfig, model_config: ModelConfig, max_model_len: 
         for f in sorted(folder.rglob("*.py")):
             h.update(f.read_bytes())
     shape = dataclasses.asdict(model_config) | {"num_hidden_layers": 0, "eos_token_ids": []}
-    settings = {k: getattr(config, k) for k in ("dtype", "max_num_seqs", "max_num_batched_tokens", "block_size", "enforce_eager",
-                                                 "quantization", "enable_lora", "max_loras", "max_lora_rank")}
+    settings = {k: getattr(config, k) for k in ("dtype", "max_num_seqs", "max_num_batched_tokens", "block_size",
+                                                 "enforce_eager", "quantization", "enable_lora", "max_loras",
+                                                 "max_lora_rank")}
     h.update(json.dumps([shape, settings, max_model_len, _version("torch"), _version("triton"), _gpu_models()],
                         sort_keys=True, default=str).encode())
     return cache_dir() / "pagefleet" / f"warm-{h.hexdigest()[:24]}"
 
 
 def source_folders() -> list[Path]:
-    return [Path(importlib.util.find_spec(p).submodule_search_locations[0]) for p in ("pagefleet.kernels", "pagefleet.worker")]
+    return [Path(importlib.util.find_spec(p).submodule_search_locations[0])
+            for p in ("pagefleet.kernels", "pagefleet.worker")]
 
 
 def _version(package: str) -> str:
@@ -125,7 +127,8 @@ class CompileWorkers:
             # run from the temp folder: `-m` puts the working folder on sys.path, and a checkout's top-level
             # operator/ would shadow the standard library's
             try:
-                self.procs.append((subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, cwd=tempfile.gettempdir()), log))
+                proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, cwd=tempfile.gettempdir())
+                self.procs.append((proc, log))
             except OSError as e:  # no process to spare: this process compiles what the others do not
                 print(f"pagefleet: could not start a compile worker ({e})", flush=True)
                 log.close()
@@ -181,8 +184,8 @@ def share_of(items: list, share: tuple[int, int] | None) -> list:
 
 def worker_command(config: EngineConfig, model_path: Path, max_model_len: int, share: tuple[int, int]) -> list[str]:
     """The command line of worker share[0] of share[1]: the engine's settings as JSON, read back by _work."""
-    spec = {"config": dataclasses.asdict(config), "model": str(Path(model_path).resolve()), "max_model_len": max_model_len,
-            "share": list(share)}
+    spec = {"config": dataclasses.asdict(config), "model": str(Path(model_path).resolve()),
+            "max_model_len": max_model_len, "share": list(share)}
     return [sys.executable, "-m", "pagefleet.worker.executor.startup.compile_workers", json.dumps(spec)]
 
 
@@ -206,7 +209,8 @@ def _kernel_name(entry: Path) -> str:
     return names[0] if names else entry.name
 
 
-def start(config: EngineConfig, model_path: Path, model_config: ModelConfig, max_model_len: int) -> CompileWorkers | None:
+def start(config: EngineConfig, model_path: Path, model_config: ModelConfig,
+          max_model_len: int) -> CompileWorkers | None:
     """Compile workers for this start-up; None without an NVIDIA GPU or with compile_workers=0."""
     if config.compile_workers == 0 or not nvidia_gpu_visible(config.device):
         return None
@@ -218,9 +222,8 @@ def _work(spec: dict) -> None:
     last line on stderr gives its phases' seconds, for the start-up's summary."""
     start = time.perf_counter()
     import torch
-
-    from pagefleet.worker.models.loader import load_model_config
     from pagefleet.worker.executor.model_runner import ModelRunner
+    from pagefleet.worker.models.loader import load_model_config
 
     imported = time.perf_counter()
     config = EngineConfig(**spec["config"])

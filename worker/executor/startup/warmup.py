@@ -12,13 +12,14 @@ import time
 
 import numpy as np
 import torch
-
+from pagefleet.worker.executor.startup.compile_workers import share_of
+from pagefleet.worker.executor.step_inputs import eager_metadata
 from pagefleet.worker.models.layers import ops
 from pagefleet.worker.models.layers.context import forward_context
-from pagefleet.worker.executor.startup.compile_workers import share_of
 
 
-def warmup_cases(max_num_seqs: int, num_kv_heads: int, share: tuple[int, int] | None = None) -> list[tuple[int, list[int]]]:
+def warmup_cases(max_num_seqs: int, num_kv_heads: int,
+                 share: tuple[int, int] | None = None) -> list[tuple[int, list[int]]]:
     """(decodes, prompt chunk lengths) of each warm-up step; share (i, n): every n-th case from the i-th
     (a compile worker's slice)."""
     cases = [(0, [8]), (0, [5, 4]), (1, [7]), (3, [8])]
@@ -42,8 +43,8 @@ def warm_up(runner, share: tuple[int, int] | None = None) -> int:
         cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
         slots = torch.full((total,), -1, dtype=torch.long, device=dev)  # writes nothing
         decode_only = not chunks
-        meta = runner._eager_metadata(slots, np.zeros((n, 4), dtype=np.int32), seq_lens, cu,
-                                      0 if decode_only else num_decodes, decode_only)
+        meta = eager_metadata(dev, slots, np.zeros((n, 4), dtype=np.int32), seq_lens, cu,
+                              0 if decode_only else num_decodes, decode_only)
         with forward_context(meta):
             zeros = torch.zeros(total, dtype=torch.long, device=dev)
             hidden = runner.model(zeros, zeros)

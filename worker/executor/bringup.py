@@ -1,0 +1,99 @@
+"""Executor bring-up: the model on its device (norms folded, FP8), LoRA slots, the KV cache sized and bound, the
+kernels warmed up and the CUDA graphs captured, in the order the memory sizing needs."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+from pagefleet.worker.core.config import EngineConfig
+from pagefleet.worker.executor.kv_cache import KVCache
+from pagefleet.worker.executor.memory import profile_peak_bytes, size_kv_cache
+from pagefleet.worker.executor.sampler import Sampler
+from pagefleet.worker.executor.startup.warmup import warm_up
+from pagefleet.worker.models.layers import ops
+from pagefleet.worker.models.loader import build_model
+from pagefleet.worker.models.registry import ModelConfig
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(name)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def resolve_dtype(name: str, model_dtype: str, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type == "cpu":
+        return torch.float32  # fastest and exact on CPU
+    return _DTYPES.get(model_dtype, torch.bfloat16) if model_dtype != "float32" else torch.bfloat16
+
+
+def use_device(config: EngineConfig, device: torch.device) -> None:
+    """Seed the random weights, make the device current (or size the CPU thread pool), pick the kernels."""
+    torch.manual_seed(config.seed)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    else:
+        # Oversubscribed OpenMP threads spin and slow small GEMMs several-fold: leave cores free.
+        torch.set_num_threads(config.cpu_threads or max(1, (os.cpu_count() or 2) // 2))
+    ops.use_triton(device.type == "cuda")
+
+
+def load_model(config: EngineConfig, model_config: ModelConfig, model_path, dtype: torch.dtype, device: torch.device):
+    """The model with its weights (random ones for model_path None), norms folded where the decode graphs use
+    them, quantised for --quantization fp8."""
+    model = build_model(model_config, model_path, dtype, device)
+    if (device.type == "cuda" and not config.enforce_eager and not config.enable_lora
+            and dtype in (torch.bfloat16, torch.float16)):
+        # decode graphs then launch no per-layer norm (LlamaForCausalLM.forward_folded); before FP8
+        # quantisation, so the scales cover the folded weights
+        model.fold_norms()
+    if config.quantization == "fp8":
+        from pagefleet.worker.models.layers.fp8 import quantize_model_fp8
+
+        quantize_model_fp8(model, device)
+    return model
+
+
+def bring_up(runner, model_path, compile_workers=None, compile_share: tuple[int, int] | None = None) -> None:
+    """Give the runner (its config, model_config, max_model_len, device, dtype and block sizes set) its model,
+    start_seconds, lora, sampler, kv and captured graphs. compile_workers: the running CompileWorkers, waited for
+    before the KV cache is sized. compile_share (i, n): a compile worker's slice of the warm-up steps and graph
+    captures."""
+    config, device = runner.config, runner.device
+    use_device(config, device)
+    start = time.time()
+    runner.model = load_model(config, runner.model_config, model_path, runner.dtype, device)
+    # seconds of each start-up phase, for the engine's start-up line and a compile worker's report
+    runner.start_seconds = {"load": time.time() - start, "workers": 0.0, "warmup": 0.0, "graphs": 0.0}
+    runner.lora = None
+    if config.enable_lora:  # before the KV cache is sized, so the budget counts the adapter slots
+        from pagefleet.worker.models.layers.lora import LoRAManager
+
+        runner.lora = LoRAManager(runner.model, config.max_loras, config.max_lora_rank, runner.dtype, device)
+    runner.sampler = Sampler(device, config.seed, runner.model_config.eos_token_ids)
+    if compile_workers is not None:  # before measuring free memory: they hold some while they run
+        start = time.time()
+        compile_workers.wait()
+        runner.start_seconds["workers"] = time.time() - start
+    if compile_share is not None and compile_share[0] == 0 and device.type == "cuda":
+        profile_peak_bytes(runner, config)  # a worker's blocks are fixed, but this step's kernels are the engine's
+    num_blocks = size_kv_cache(runner, config, runner.model_config)
+    runner.kv = KVCache(runner.model_config, num_blocks, runner.block_size, runner.dtype, device)
+    runner.kv.bind(runner.model)
+    if device.type == "cuda":
+        warm_up(runner, compile_share)
+        if not config.enforce_eager:
+            runner.cuda_graphs.capture(runner.model, device, config, runner.max_model_len, runner.max_blocks_per_seq,
+                                       compile_share)
+            runner.start_seconds["graphs"] = runner.cuda_graphs.capture_seconds
+        if compile_workers is not None:
+            compile_workers.mark_warm()

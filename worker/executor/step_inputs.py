@@ -1,0 +1,131 @@
+"""A step's inputs: input ids, positions, slot mapping and block tables from the scheduled batch, on the device.
+
+The host arrays are built in numpy over the whole step (per-sequence work is kept to list reads), because at 512
+sequences a Python loop per token or per table row costs milliseconds. Every upload keeps the tensors it makes
+16-byte aligned: Triton compiles a kernel variant per pointer alignment, and a new variant mid-run costs seconds.
+"""
+
+from __future__ import annotations
+
+from itertools import chain
+from typing import NamedTuple
+
+import numpy as np
+import torch
+from pagefleet.worker.core.scheduler import ScheduledBatch
+from pagefleet.worker.models.layers.paged_attention import AttentionMetadata
+
+
+class StepInputs(NamedTuple):
+    """One step's host arrays; `prepare` builds them."""
+
+    tokens: np.ndarray  # [3, T] int64: input ids, positions, slot mapping
+    seq_lens: np.ndarray  # [n] int32: each sequence's length after this step
+    cu: np.ndarray  # [n + 1] int32: query offsets
+    tables: np.ndarray  # [n, width] int32 block tables, width a multiple of 4 (rows 16-byte aligned)
+    logits_rows: list[int]  # the token rows whose sequences sample
+    num_decodes: int  # one-token entries leading a step that also has prompt chunks (0 in a pure decode step)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.tokens.shape[1]
+
+    @property
+    def is_decode(self) -> bool:
+        """Pure decode: one token per sequence."""
+        return self.tokens.shape[1] == len(self.seq_lens)
+
+
+def prepare(batch: ScheduledBatch, block_size: int) -> StepInputs:
+    """The host arrays of one step. The scheduler puts one-token entries first; attention runs them through the
+    decode kernel."""
+    bs = block_size
+    seqs = batch.seqs
+    n = len(seqs)
+    counts = np.asarray(batch.num_new_tokens, dtype=np.int64)
+    starts = np.fromiter((s.num_computed_tokens for s in seqs), dtype=np.int64, count=n)
+    ends = starts + counts
+    cu = np.zeros(n + 1, dtype=np.int32)
+    np.cumsum(counts, out=cu[1:])
+    total = int(cu[-1])
+    if total == n:  # pure decode: the hot path, one token per sequence
+        ids = [s.token_ids[p] for s, p in zip(seqs, starts.tolist(), strict=True)]
+        pos = starts
+        row = np.arange(n)
+        num_decodes = 0
+    else:
+        ids = list(chain.from_iterable(s.token_ids[a:e]
+                                       for s, a, e in zip(seqs, starts.tolist(), ends.tolist(), strict=True)))
+        row = np.repeat(np.arange(n), counts)
+        pos = np.arange(total) - np.repeat(cu[:-1].astype(np.int64), counts) + np.repeat(starts, counts)
+        num_decodes = next((i for i, k in enumerate(batch.num_new_tokens) if k != 1), n)
+    widths = np.fromiter((len(s.block_table) for s in seqs), dtype=np.int64, count=n)
+    tables = np.zeros((n, -(-int(widths.max()) // 4) * 4), dtype=np.int32)  # rows 16-byte aligned
+    tables[np.arange(tables.shape[1]) < widths[:, None]] = np.fromiter(
+        chain.from_iterable(s.block_table for s in seqs), dtype=np.int32, count=int(widths.sum()))
+    slots = tables[row, pos // bs].astype(np.int64) * bs + pos % bs
+    # a row samples when its prompt is done (or it is a decode); a prompt chunk that is not the last does not
+    num_tokens = np.fromiter((s.num_tokens for s in seqs), dtype=np.int64, count=n)
+    logits_rows = (cu[1:] - 1)[ends == num_tokens].tolist()
+    tokens = np.stack([np.asarray(ids, dtype=np.int64), pos, slots])
+    return StepInputs(tokens, ends.astype(np.int32), cu, tables, logits_rows, num_decodes)
+
+
+def upload_rows(tokens: np.ndarray, device: torch.device) -> torch.Tensor:
+    """[3, T] int64 on the device with each row 16-byte aligned (row stride T rounded up to even): the
+    positions row feeds RoPE, and at an odd T its pointer alignment made a new compile mid-run."""
+    num_tokens = tokens.shape[1]
+    if num_tokens % 2:  # only an odd T needs the padded copy
+        tokens = np.concatenate([tokens, np.zeros((tokens.shape[0], 1), dtype=tokens.dtype)], axis=1)
+    return torch.from_numpy(tokens).to(device, non_blocking=True)[:, :num_tokens]
+
+
+def upload_int32(device: torch.device, *arrays: np.ndarray) -> list[torch.Tensor]:
+    """Several small int32 arrays in one host-to-device copy, each starting 16-byte aligned."""
+    pieces, offsets, at = [], [], 0
+    for a in arrays:
+        pad = -len(a) % 4
+        pieces += [a.astype(np.int32, copy=False), np.zeros(pad, dtype=np.int32)]
+        offsets.append(at)
+        at += len(a) + pad
+    flat = torch.from_numpy(np.concatenate(pieces)).to(device, non_blocking=True)
+    return [flat[o : o + len(a)] for o, a in zip(offsets, arrays, strict=True)]
+
+
+def eager_metadata(device: torch.device, slot_mapping: torch.Tensor, tables: np.ndarray, seq_lens: np.ndarray,
+                   cu: np.ndarray, num_decodes: int, is_decode: bool) -> AttentionMetadata:
+    """The attention context of an eager step; the first `num_decodes` sequences have one token each."""
+    block_tables = torch.from_numpy(tables).to(device, non_blocking=True)
+    seq_lens_d, cu_d, prefill_lens_d, prefill_cu_d = upload_int32(
+        device, seq_lens, cu, seq_lens[num_decodes:], cu[num_decodes:] - cu[num_decodes])
+    return AttentionMetadata(
+        slot_mapping=slot_mapping,
+        block_tables=block_tables,
+        seq_lens=seq_lens_d,
+        cu_seqlens_q=cu_d,
+        max_seq_len=int(seq_lens.max()),
+        is_decode=is_decode,
+        num_decodes=num_decodes,
+        prefill_block_tables=block_tables[num_decodes:],  # rows of 4k int32: 16-byte aligned
+        prefill_seq_lens=prefill_lens_d,
+        prefill_cu_seqlens_q=prefill_cu_d,
+    )
+
+
+def feed_device_tokens(input_ids: torch.Tensor, feed: tuple[np.ndarray, torch.Tensor]) -> None:
+    """feed = (rows, tokens): input id i becomes tokens[rows[i]] where rows[i] >= 0 (a sequence whose last token
+    is still on the device, in an overlapped step)."""
+    rows, prev = feed
+    rows_d = torch.from_numpy(rows).to(input_ids.device, non_blocking=True)
+    input_ids.copy_(torch.where(rows_d >= 0, prev[rows_d.clamp(min=0)], input_ids))
+
+
+def sampled_rows(x: torch.Tensor, logits_rows: list[int]) -> torch.Tensor:
+    """The rows of x (hidden states or logits) whose sequences sample; logits_rows is not empty."""
+    if len(logits_rows) == x.shape[0]:
+        return x
+    return x[torch.tensor(logits_rows, dtype=torch.long, device=x.device)]
