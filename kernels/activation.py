@@ -40,7 +40,8 @@ def silu_and_mul(x):
 
 
 @triton.jit
-def _silu_and_mul_fp8_kernel(x_ptr, q_ptr, scale_ptr, inter, stride_xt, stride_qt, FP8_MAX: tl.constexpr, BLOCK: tl.constexpr):
+def _silu_and_mul_fp8_kernel(x_ptr, q_ptr, scale_ptr, inter, stride_xt, stride_qt, FP8_MAX: tl.constexpr,
+                             BLOCK: tl.constexpr):
     """Program per token: silu(gate) * up, rounded to x's dtype as silu_and_mul writes it, then quantised per
     token as fp8.quantize_fp8_per_token does. Pass 1 finds the row's max |value|, pass 2 recomputes the row
     and stores it in e4m3: the second read of gate and up comes from L2, where a bf16 output would have
@@ -68,6 +69,6 @@ def silu_and_mul_fp8(x):
     scale = torch.empty(x.shape[0], 1, dtype=torch.float32, device=x.device)
     if x.shape[0]:
         block = min(triton.next_power_of_2(inter), 2048)
-        _silu_and_mul_fp8_kernel[(x.shape[0],)](x, q, scale, inter, x.stride(0), q.stride(0), FP8_MAX=FP8_MAX, BLOCK=block,
-                                                num_warps=8 if block >= 2048 else 4)
+        _silu_and_mul_fp8_kernel[(x.shape[0],)](x, q, scale, inter, x.stride(0), q.stride(0), FP8_MAX=FP8_MAX,
+                                                BLOCK=block, num_warps=8 if block >= 2048 else 4)
     return q, scale

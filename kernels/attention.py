@@ -12,7 +12,6 @@ import triton.language as tl
 from triton.language.extra import cuda as tl_cuda
 
 from . import pdl
-
 from .arrivals import counters
 from .rope import rope_and_write_kv, rotate_tile
 
@@ -176,13 +175,13 @@ def _merge_splits(part_acc_ptr, part_ml_ptr, out_ptr, out_offset, head0, seq_hea
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     hs_mask = (offs_h[:, None] < GROUP) & (offs_s[None, :] < num_splits)
     rows = (seq_head0 + head0 + offs_h)[:, None] * num_splits + offs_s[None, :]  # [heads, splits]
-    m = tl.load(part_ml_ptr + rows * 2, mask=hs_mask, other=float("-inf"), cache_modifier=".cg")
-    l = tl.load(part_ml_ptr + rows * 2 + 1, mask=hs_mask, other=0.0, cache_modifier=".cg")
+    m_s = tl.load(part_ml_ptr + rows * 2, mask=hs_mask, other=float("-inf"), cache_modifier=".cg")
+    l_s = tl.load(part_ml_ptr + rows * 2 + 1, mask=hs_mask, other=0.0, cache_modifier=".cg")
     acc = tl.load(part_acc_ptr + rows[:, :, None] * HEAD_DIM_PAD + offs_d[None, None, :],
                   mask=hs_mask[:, :, None] & (offs_d[None, None, :] < HEAD_DIM), other=0.0, cache_modifier=".cg")
-    m_max = tl.max(m, axis=1)
-    w = tl.exp2(m - m_max[:, None])  # empty splits: exp2(-inf) = 0 (padded heads give NaN, never stored)
-    out = tl.sum(acc * w[:, :, None], axis=1) / tl.sum(l * w, axis=1)[:, None]
+    m_max = tl.max(m_s, axis=1)
+    w = tl.exp2(m_s - m_max[:, None])  # empty splits: exp2(-inf) = 0 (padded heads give NaN, never stored)
+    out = tl.sum(acc * w[:, :, None], axis=1) / tl.sum(l_s * w, axis=1)[:, None]
     heads = head0 + offs_h
     tl.store(out_ptr + out_offset + heads[:, None] * stride_oh + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
              mask=(offs_h[:, None] < GROUP) & (offs_d[None, :] < HEAD_DIM))
@@ -265,8 +264,8 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale=No
         k_new, v_new, positions, cos_sin, slots = new_kv
         assert k_new.stride(-1) == 1 and v_new.stride(-1) == 1 and cos_sin.shape[-1] <= D
     _decode_kernel[(B, Hkv, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, out, part_acc, part_ml, arrivals if arrivals is not None else seq_lens,
-        scale * LOG2E, num_splits,
+        q, k_cache, v_cache, block_tables, seq_lens, out, part_acc, part_ml,
+        arrivals if arrivals is not None else seq_lens, scale * LOG2E, num_splits,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1),
         k_new, v_new, positions, cos_sin, slots, k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),

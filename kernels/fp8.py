@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .reference import FP8_MAX, quantize_weight_fp8  # noqa: F401  (re-exported)
+from .reference import FP8_MAX
 
 
 @triton.jit

@@ -28,7 +28,6 @@ import triton.language as tl
 from triton.language.extra import cuda as tl_cuda
 
 from . import pdl
-
 from .arrivals import counters
 from .gemv_tiles import default_config, sm_count
 
@@ -226,7 +225,8 @@ def skinny_matmul(x, weight, bias=None, out=None, block_n=None, block_k=None, nu
         return out
     defaults = default_config(M, weight.shape[0], K, sm_count(x.device), weight.element_size(), gated)
     block_n, block_k, num_warps, num_stages, split_k = (
-        given or default for given, default in zip((block_n, block_k, num_warps, num_stages, split_k), defaults))
+        given or default for given, default in zip((block_n, block_k, num_warps, num_stages, split_k), defaults,
+                                                   strict=True))
     if block_n < 16 or block_k < 16:
         raise ValueError(f"block_n={block_n}, block_k={block_k}: tl.dot needs 16 or more")
     # Whole BLOCK_K tiles per split, and no empty split.
@@ -238,7 +238,8 @@ def skinny_matmul(x, weight, bias=None, out=None, block_n=None, block_k=None, nu
         warnings.warn("skinny_matmul: no arrival counters for a split GEMV (a CUDA graph captured before "
                       "kernels.arrivals.reserve(device)?); running it unsplit", RuntimeWarning, stacklevel=2)
         split_k, k_per_split = 1, max(K, 1)
-    parts = x if counts is None else torch.empty(split_k, M, 2 * N if gated else N, dtype=torch.float32, device=x.device)
+    parts = x if counts is None else torch.empty(split_k, M, 2 * N if gated else N, dtype=torch.float32,
+                                                 device=x.device)
     if sumsq is not None:
         assert sumsq.dtype == torch.float32 and sumsq.is_contiguous() and sumsq.shape[1] == M
     if residual is not None:

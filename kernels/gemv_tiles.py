@@ -9,7 +9,7 @@ import torch
 import triton
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cuda_sms(index):
     return torch.cuda.get_device_properties(index).multi_processor_count
 
@@ -28,13 +28,14 @@ def default_config(M, N, K, num_sms=132, weight_bytes=2, gated=False):
     for the small tile. The same config was best or within ~2% for every M in 1..16 and for K = 4096 and
     14336, so only N matters. A gated program takes the unfused tile split in two (16 and 32 rows a half
     measured the same). Split K only for down's long rows (K = 14336: 30.5 us against 31.3 at M = 1, in
-    32-row tiles cut in 4); on qkv and o_proj it lost (scratch sweep, run N in docs/benchmarks.md).
+    32-row tiles cut in 4); split, qkv and o_proj are slower or even and gate_up and lm_head slower (H200,
+    benchmarks/gemv_bench.py's split_k sweep).
 
     FP8 (weight-only): each tile converts in registers before the dot, so a program does more work per
     byte and the small-N linears need more programs than their row tiles give. 64-row tiles with 4 warps
     (gate_up 32.1 us against 38.1 at 32 rows a half), K slices doubled while there are at most 3 programs
-    an SM: qkv 18.5 -> 12.5 us, o_proj 11.6 -> 9.2, down 30.3 -> 19.2 (M = 1, H200, run N). At 17-32 rows
-    (ops.SKINNY_MAX_ROWS_FP8) the same splits with 128-wide K tiles were best.
+    an SM: qkv 18.5 -> 12.5 us, o_proj 11.6 -> 9.2, down 30.3 -> 19.2 (M = 1, H200, gemv_bench.py). At
+    17-32 rows (ops.SKINNY_MAX_ROWS_FP8) the same splits with 128-wide K tiles are best.
     """
     if weight_bytes == 1:
         grid_n = triton.cdiv(N // 2 if gated else N, 64)

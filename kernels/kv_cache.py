@@ -38,5 +38,6 @@ def write_kv_cache(k, v, k_cache, v_cache, slot_mapping):
     _write_kv_kernel[grid](
         k, v, k_cache, v_cache, slot_mapping,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         NUM_KV_HEADS=Hkv, HEAD_DIM=D, BLOCK_SIZE=k_cache.shape[1], BLOCK_HD=block_hd, num_warps=4)

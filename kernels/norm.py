@@ -76,8 +76,8 @@ def _launch(x, residual, weight, eps, fp8=False):
         block = triton.next_power_of_2(N)
         rows_per_prog = max(1, min(32, 4096 // block))  # ~4096 elements a program
         _rms_norm_kernel[(triton.cdiv(rows, rows_per_prog),)](
-            xr, rr, weight, out, res_out, scale if fp8 else out, rows, n_inner, sx0, sx1, sr0, sr1, eps, N=N, BLOCK=block,
-            ROWS=rows_per_prog, ADD_RESIDUAL=residual is not None, FP8=fp8, FP8_MAX=FP8_MAX,
+            xr, rr, weight, out, res_out, scale if fp8 else out, rows, n_inner, sx0, sx1, sr0, sr1, eps, N=N,
+            BLOCK=block, ROWS=rows_per_prog, ADD_RESIDUAL=residual is not None, FP8=fp8, FP8_MAX=FP8_MAX,
             num_warps=min(max(block * rows_per_prog // 256, 1), 16))
     return (out.view(-1, N), scale) if fp8 else out, res_out
 
@@ -117,7 +117,8 @@ def _embed_rows_kernel(ids_ptr, table_ptr, out_ptr, sumsq_ptr, stride_t, N: tl.c
 
 def embed_rows(ids, table):
     """ids [M] -> (table[ids] [M, K], sums of squares [1, M] fp32) in one launch. The torch way, an embedding
-    then .float().square().sum(), was 4 launches and ~25 us of a batch-16 decode step on the H200 (run S)."""
+    then .float().square().sum(), is 4 launches and ~25 us of a batch-16 decode step; this saves 8-23 us a
+    step (H200, 8B shape, benchmarks/decode_graphs_ab.py's torch_embed arm in commit 0f81933)."""
     M, N = ids.shape[0], table.shape[1]
     assert table.stride(1) == 1
     out = torch.empty(M, N, dtype=table.dtype, device=table.device)

@@ -7,8 +7,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .reference import rope_cos_sin_cache  # noqa: F401  (re-exported: the engine builds the cache here)
-
 
 @triton.jit
 def _rope_rows(x_ptr, out_ptr, token, cos, sin, num_heads, stride_xt, stride_xh, stride_ot, stride_oh,

@@ -1,14 +1,15 @@
 """Triton kernels on CUDA in bf16 against their references (fresh random inputs, poisoned outputs).
 
-Marked gpu; skipped where there is no CUDA device (CI) or under the Triton interpreter.
+Marked gpu; skipped where there is no CUDA device (CI) or under the Triton interpreter. Over 300 lines
+because it is the one file of kernel tests a GPU machine runs, beside tests/executor/test_engine_gpu.py.
 """
 import os
 
 import pytest
 import torch
+from test_kernels import close
 
 from pagefleet.kernels import reference as ref
-from test_kernels import close
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
@@ -80,8 +81,8 @@ def test_decode_with_rope_bf16(batch):
     qkv = torch.randn(batch, 48 * 128, device="cuda", dtype=BF)
     q, k, v = (t.view(batch, -1, 128) for t in qkv.split([32 * 128, 8 * 128, 8 * 128], dim=-1))
     caches = (kc.clone(), vc.clone())
-    expected = attention.paged_decode_attention(rope.rope_and_write_kv(q, k, v, positions, cos_sin, *caches, slots), *caches,
-                                                bt, sl)
+    q_rot = rope.rope_and_write_kv(q, k, v, positions, cos_sin, *caches, slots)
+    expected = attention.paged_decode_attention(q_rot, *caches, bt, sl)
     out = torch.full_like(q, float("nan"))
     attention.paged_decode_attention(q, kc, vc, bt, sl, out=out, new_kv=(k, v, positions, cos_sin, slots))
     assert torch.equal(vc, caches[1])
@@ -101,7 +102,7 @@ def test_prefill_bf16(group):
     from pagefleet.kernels import prefill_attention
 
     q_lens, prefixes = [700, 300, 1, 1, 0], [0, 900, 40, 2000, 5]
-    kc, vc, bt, sl = paged([a + b for a, b in zip(q_lens, prefixes)], 8, 128, 16)
+    kc, vc, bt, sl = paged([a + b for a, b in zip(q_lens, prefixes, strict=True)], 8, 128, 16)
     cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
     q = torch.randn(sum(q_lens), 8 * group, 128, device="cuda", dtype=BF)
     out = torch.full_like(q, float("nan"))
@@ -116,7 +117,7 @@ def test_prefill_padded_as_a_prompt_graph_stages_it():
     from pagefleet.kernels import prefill_attention
 
     q_lens, prefixes = [300, 21], [0, 40]
-    kc, vc, bt, sl = paged([a + b for a, b in zip(q_lens, prefixes)], 8, 128, 16)
+    kc, vc, bt, sl = paged([a + b for a, b in zip(q_lens, prefixes, strict=True)], 8, 128, 16)
     bt = torch.cat([bt, torch.zeros(2, bt.shape[1], dtype=torch.int32, device="cuda")])  # padding sequences
     sl = torch.cat([sl, torch.zeros(2, dtype=torch.int32, device="cuda")])
     real = sum(q_lens)
@@ -132,7 +133,7 @@ def test_small_kernels_bf16():
     from pagefleet.kernels import activation, fp8, kv_cache, norm, rope
 
     T = 777
-    kc, vc = torch.randn(100, 16, 8, 128, device="cuda", dtype=BF), torch.randn(100, 16, 8, 128, device="cuda", dtype=BF)
+    kc, vc = (torch.randn(100, 16, 8, 128, device="cuda", dtype=BF) for _ in range(2))
     k, v = torch.randn(T, 8, 128, device="cuda", dtype=BF), torch.randn(T, 8, 128, device="cuda", dtype=BF)
     slots = torch.randperm(1600, device="cuda")[:T]
     slots[::7] = -1
@@ -150,7 +151,7 @@ def test_small_kernels_bf16():
                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}, device="cuda")
     qh = torch.randn(T, 32, 128, device="cuda", dtype=BF)
     pos = torch.randint(0, 4096, (T,), device="cuda")
-    for got, exp in zip(rope.apply_rope(qh, k, pos, cache), ref.apply_rope(qh, k, pos, cache)):
+    for got, exp in zip(rope.apply_rope(qh, k, pos, cache), ref.apply_rope(qh, k, pos, cache), strict=True):
         close(got, exp, BF)
     xm = torch.randn(T, 2 * 1000, device="cuda", dtype=BF)
     close(activation.silu_and_mul(xm), ref.silu_and_mul(xm), BF)
@@ -194,7 +195,7 @@ LLAMA_8B_LINEARS = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (286
 
 
 @pytest.mark.parametrize("shape", list(LLAMA_8B_LINEARS))
-@pytest.mark.parametrize("M", [1, 2, 8, 16, 24, 32])  # 24, 32: decode_graphs_ab.py rows32
+@pytest.mark.parametrize("M", [1, 2, 8, 16, 24, 32])  # 24, 32: ops.SKINNY_MAX_ROWS raised to 32 (test_engine_gpu.py)
 def test_skinny_matmul_bf16(shape, M):
     from pagefleet.kernels import gemv
 
@@ -211,7 +212,7 @@ def test_skinny_matmul_bf16(shape, M):
 @pytest.mark.parametrize("shape", ["qkv", "o_proj", "gate_up", "down"])
 @pytest.mark.parametrize("M", [1, 8, 16, 32])  # FP8 graphs use the GEMV up to 32 rows
 def test_skinny_matmul_fp8_weight(shape, M):
-    """Weight-only FP8 at Llama-3.1-8B's decoder shapes: e4m3 weights with per-row scales (worker/fp8.py),
+    """Weight-only FP8 at Llama-3.1-8B's decoder shapes: e4m3 weights with per-row scales (models/layers/fp8.py),
     bf16 x; against the bf16-rounded product over the dequantised weight. Plain, gated for gate_up, and
     the folded-norm options."""
     from pagefleet.kernels import gemv
@@ -225,7 +226,8 @@ def test_skinny_matmul_fp8_weight(shape, M):
     gemv.skinny_matmul(x, w8, bias, out=out, weight_scale=scale)
     close(out, ref.skinny_matmul(x.float(), dequant, bias.float()), BF)
     if shape == "gate_up":
-        close(gemv.skinny_matmul(x, w8, gated=True, weight_scale=scale), ref.skinny_matmul(x.float(), dequant, gated=True), BF)
+        close(gemv.skinny_matmul(x, w8, gated=True, weight_scale=scale),
+              ref.skinny_matmul(x.float(), dequant, gated=True), BF)
     if shape in ("o_proj", "down"):
         residual = torch.randn(M, N, device="cuda", dtype=BF)
         h, sumsq = gemv.skinny_matmul(x, w8, residual=residual, weight_scale=scale)
@@ -235,7 +237,8 @@ def test_skinny_matmul_fp8_weight(shape, M):
         h = x.clone()                # fp16's range (65504) in the residual stream stays finite and exact
         h[0, 0] = 1e6
         gated = shape == "gate_up"
-        got = gemv.skinny_matmul(h, w8, sumsq=h.float().square().sum(-1)[None], eps=1e-5, weight_scale=scale, gated=gated)
+        got = gemv.skinny_matmul(h, w8, sumsq=h.float().square().sum(-1)[None], eps=1e-5, weight_scale=scale,
+                                 gated=gated)
         normed = ref.rms_norm(h.float(), torch.ones(K, device="cuda"), 1e-5)
         close(got, ref.skinny_matmul(normed, dequant, gated=gated), BF)
 
@@ -247,7 +250,7 @@ def test_split_gemvs_in_a_graph(fp8):
     merging through counters that the previous one left at 0."""
     from pagefleet.kernels import arrivals, gemv
 
-    H, I = LLAMA_8B_LINEARS["o_proj"][0], LLAMA_8B_LINEARS["down"][1]
+    H, inter = LLAMA_8B_LINEARS["o_proj"][0], LLAMA_8B_LINEARS["down"][1]
     ws = {name: (torch.randn(*LLAMA_8B_LINEARS[name], device="cuda") / LLAMA_8B_LINEARS[name][1] ** 0.5).to(BF)
           for name in ("qkv", "o_proj", "down")}
     if fp8:
@@ -257,7 +260,7 @@ def test_split_gemvs_in_a_graph(fp8):
         assert gemv.default_config(1, *LLAMA_8B_LINEARS["down"])[-1] > 1
         ws = {name: (w, None) for name, w in ws.items()}
     dense = {name: w.float() * (1 if s is None else s[:, None]) for name, (w, s) in ws.items()}
-    x, act, residual = (torch.empty(8, k, device="cuda", dtype=BF) for k in (H, I, H))
+    x, act, residual = (torch.empty(8, k, device="cuda", dtype=BF) for k in (H, inter, H))
     sumsq = torch.empty(1, 8, device="cuda")
     arrivals.reserve("cuda")
 
@@ -305,14 +308,14 @@ def test_folded_norm_gemvs_bf16(M):
     (LlamaForCausalLM.forward_folded), against the references of the unfolded layer."""
     from pagefleet.kernels import gemv
 
-    H, I = LLAMA_8B_LINEARS["o_proj"][0], LLAMA_8B_LINEARS["gate_up"][0] // 2
+    H, inter = LLAMA_8B_LINEARS["o_proj"][0], LLAMA_8B_LINEARS["gate_up"][0] // 2
     x, residual = torch.randn(M, H, device="cuda", dtype=BF), torch.randn(M, H, device="cuda", dtype=BF)
     wo = (torch.randn(H, H, device="cuda") / H**0.5).to(BF)
     h, sumsq = gemv.skinny_matmul(x, wo, residual=residual)
     close(h, ref.skinny_matmul(x.float(), wo.float(), residual=residual.float())[0], BF)
     close(sumsq.sum(0), h.float().square().sum(-1), torch.float32)
     g = 1 + 0.2 * torch.randn(H, device="cuda")
-    w_gu = torch.randn(2 * I, H, device="cuda") / H**0.5
+    w_gu = torch.randn(2 * inter, H, device="cuda") / H**0.5
     got = gemv.skinny_matmul(h, (w_gu * g).to(BF), sumsq=sumsq, eps=1e-5, gated=True)
     close(got, ref.skinny_matmul(ref.rms_norm(h.float(), g, 1e-5), w_gu, gated=True), BF)
 

@@ -2,22 +2,25 @@
 
 Runs only with TRITON_INTERPRET=1 set before Python starts: test_kernels.py launches it that way in a
 child process. Directly: TRITON_INTERPRET=1 python -m pytest -q tests/kernels/test_kernels_triton.py
+Over 300 lines because every kernel's interpreter test lives here: one child process runs them all, and
+the interpreter's import of Triton is paid once.
 """
+import importlib
 import os
 
 import pytest
 import torch
+from test_kernels import DTYPES, close, make_paged
+
+from pagefleet.kernels import reference as ref
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="interpreter tests: run by test_kernels.py in a child process")
 if os.environ.get("TRITON_INTERPRET") == "1":
-    triton = pytest.importorskip("triton")
-    from pagefleet.kernels import activation, arrivals, attention, fp8, gemv, greedy, kv_cache, norm, prefill_attention, rope
-    TK = {"arrivals": arrivals, "attention": attention, "kv_cache": kv_cache, "norm": norm, "rope": rope, "activation": activation,
-          "fp8": fp8, "gemv": gemv, "greedy": greedy, "prefill_attention": prefill_attention}
-
-from pagefleet.kernels import reference as ref
-from test_kernels import DTYPES, close, make_paged
+    pytest.importorskip("triton")
+    TK = {name: importlib.import_module(f"pagefleet.kernels.{name}") for name in (
+        "activation", "arrivals", "attention", "fp8", "gemv", "greedy", "kv_cache", "norm", "prefill_attention",
+        "rope")}
 
 # ---------------------------------------------------------------- Triton (interpreter) against references
 
@@ -78,8 +81,8 @@ def test_triton_decode_attention_with_rope(dtype, group, num_splits, rot, in_ker
     q_rot = TK["rope"].rope_and_write_kv(q, k, v, positions, cos_sin, *caches, slots)
     expected = TK["attention"].paged_decode_attention(q_rot, *caches, bt, seq_lens, num_splits=num_splits, block_n=16)
     out = torch.full_like(q, float("nan"))
-    TK["attention"].paged_decode_attention(q, k_cache, v_cache, bt, seq_lens, out=out, num_splits=num_splits, block_n=16,
-                                           new_kv=(k, v, positions, cos_sin, slots))
+    TK["attention"].paged_decode_attention(q, k_cache, v_cache, bt, seq_lens, out=out, num_splits=num_splits,
+                                           block_n=16, new_kv=(k, v, positions, cos_sin, slots))
     assert torch.equal(k_cache, caches[0]) and torch.equal(v_cache, caches[1])
     assert torch.equal(out, expected)
     close(out, ref.paged_decode_attention(q.float(), k_cache.float(), v_cache.float(), bt, seq_lens,
@@ -107,7 +110,8 @@ def test_triton_prefill_attention(dtype, group):
     q = torch.randn(sum(q_lens), 2 * group, 32, generator=gen).to(dtype)
     expected = ref.paged_prefill_attention(q.float(), k_cache.float(), v_cache.float(), bt, seq_lens, cu)
     out = torch.full_like(q, float("nan"))
-    TK["prefill_attention"].paged_prefill_attention(q, k_cache, v_cache, bt, seq_lens, cu, out=out, block_m=16, block_n=16)
+    TK["prefill_attention"].paged_prefill_attention(q, k_cache, v_cache, bt, seq_lens, cu, out=out, block_m=16,
+                                                    block_n=16)
     close(out, expected, dtype)
 
 
@@ -121,7 +125,8 @@ def test_triton_prefill_attention_padded_as_a_prompt_graph_stages_it():
     q = torch.randn(48, 4, 32, generator=gen)  # a 48-token bucket
     expected = ref.paged_prefill_attention(q[:30], k_cache, v_cache, bt[:2], seq_lens[:2], cu[:3])
     out = torch.full_like(q, float("nan"))
-    TK["prefill_attention"].paged_prefill_attention(q, k_cache, v_cache, bt, seq_lens, cu, out=out, block_m=16, block_n=16)
+    TK["prefill_attention"].paged_prefill_attention(q, k_cache, v_cache, bt, seq_lens, cu, out=out, block_m=16,
+                                                    block_n=16)
     close(out[:30], expected, torch.float32)
     assert out[30:].isnan().all()
 
@@ -228,7 +233,10 @@ def assert_e4m3_equal(q, q_ref):
     a, b = q.float(), q_ref.float()
     off = a != b
     assert off.float().mean() < 0.1
-    magnitude = lambda t: (t.view(torch.uint8) & 0x7F).int()  # e4m3 bit patterns order like their values
+
+    def magnitude(t):  # e4m3 bit patterns order like their values
+        return (t.view(torch.uint8) & 0x7F).int()
+
     neighbour = ((magnitude(q_ref) - magnitude(q)).abs() == 1) & (a.sign() * b.sign() >= 0)
     halved = (a * 2 == b) & (torch.log2(b.abs()).round() == torch.log2(b.abs()))
     assert (neighbour | halved)[off].all(), (a[off & ~(neighbour | halved)], b[off & ~(neighbour | halved)])
@@ -284,7 +292,8 @@ def test_triton_attention_odd_shapes(block_size):
     cu = torch.tensor([0, 45, 48], dtype=torch.int32)  # queries of 45 (the whole first sequence) and 3 tokens
     q = torch.randn(48, 6, 24, generator=gen)
     expected = ref.paged_prefill_attention(q, k_cache, v_cache, bt, seq_lens, cu)
-    close(TK["prefill_attention"].paged_prefill_attention(q, k_cache, v_cache, bt, seq_lens, cu, block_m=16, block_n=32),
+    close(TK["prefill_attention"].paged_prefill_attention(q, k_cache, v_cache, bt, seq_lens, cu, block_m=16,
+                                                          block_n=32),
           expected, torch.float32)
 
 
