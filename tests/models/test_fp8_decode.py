@@ -13,7 +13,7 @@ import torch
 from pagefleet.worker import LLM, SamplingParams
 from pagefleet.worker.models.layers import ops
 from pagefleet.worker.models.layers.fp8 import Fp8Linear, decoder_linears, quantize_linears_fp8
-from pagefleet.worker.models.llama import Linear
+from pagefleet.worker.models.layers.linear import Linear
 
 PROMPTS = [[5], [200], [42]]
 
@@ -46,13 +46,14 @@ def test_fp8_decode_path_matches_the_dequantised_model(tiny_models, arch, monkey
     assert all(isinstance(getattr(p, n), Fp8Linear) for p, n in decoder_linears(fp8_model))
     dq_llm, dq_model = folded_engine(tiny_models[arch])
     with torch.no_grad():  # the same model with each e4m3 weight times its scale, in fp32
-        for (p, n), (fp, fn) in zip(decoder_linears(dq_model), decoder_linears(fp8_model)):
+        for (p, n), (fp, fn) in zip(decoder_linears(dq_model), decoder_linears(fp8_model), strict=True):
             q = getattr(fp, fn)
             getattr(p, n).weight.copy_(q.weight.float() * q.weight_scale[:, None])
             assert isinstance(getattr(p, n), Linear) and getattr(p, n).weight_scale is None
 
     tokens, logprobs = generate(fp8_llm)
-    assert folded_rows and max(folded_rows) <= ops.SKINNY_MAX_ROWS and sum(folded_rows) == 8 * len(PROMPTS)  # every step folded
+    # every step folded
+    assert folded_rows and max(folded_rows) <= ops.SKINNY_MAX_ROWS and sum(folded_rows) == 8 * len(PROMPTS)
     dq_tokens, dq_logprobs = generate(dq_llm)
     assert tokens == dq_tokens
     assert torch.allclose(logprobs, dq_logprobs, atol=1e-4), (logprobs - dq_logprobs).abs().max()

@@ -12,7 +12,8 @@ from pagefleet.worker.models.layers.fp8 import quantize_linears_fp8
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_quantised_rows_change_nothing(tiny_models, arch, monkeypatch):
-    llm = LLM(str(tiny_models[arch]), max_model_len=128, num_gpu_blocks_override=32, device="cpu", enable_prefix_caching=False)
+    llm = LLM(str(tiny_models[arch]), max_model_len=128, num_gpu_blocks_override=32, device="cpu",
+              enable_prefix_caching=False)
     model = llm.engine.runner.model
     quantize_linears_fp8(model)
     calls = {"handed": 0, "quantised_in_gemm": 0}

@@ -3,8 +3,8 @@ prefix-cache isolation; loading and unloading while the engine runs; clear error
 
 import pytest
 import torch
-
 from engine_models import hf_greedy
+
 from pagefleet.worker import LLM, SamplingParams
 
 peft = pytest.importorskip("peft")
@@ -15,7 +15,10 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 PROMPTS = [list(range(200, 231)), list(range(500, 509)), list(range(40, 97))]
 
 
-def make_adapter(base, folder, seed, rank=4, targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")):
+ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def make_adapter(base, folder, seed, rank=4, targets=ALL_TARGETS):
     """A PEFT LoRA with random A and B (init_lora_weights=False: not a no-op), saved by PEFT itself."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
@@ -24,7 +27,8 @@ def make_adapter(base, folder, seed, rank=4, targets=("q_proj", "k_proj", "v_pro
         return folder
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=list(targets), lora_dropout=0.0, init_lora_weights=False)
+    config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=list(targets), lora_dropout=0.0,
+                        init_lora_weights=False)
     peft_model = get_peft_model(model, config)
     with torch.no_grad():  # PEFT's random B is small; make the adapter move greedy choices
         for name, p in peft_model.named_parameters():
@@ -38,13 +42,14 @@ def peft_greedy(base, adapter, prompts, max_new_tokens=12):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), str(adapter)).eval()
+    base_model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    model = PeftModel.from_pretrained(base_model, str(adapter)).eval()
     outs = []
     with torch.inference_mode():
         for ids in prompts:
             x = torch.tensor([ids])
-            y = model.generate(input_ids=x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=max_new_tokens,
-                               min_new_tokens=max_new_tokens, pad_token_id=0)
+            y = model.generate(input_ids=x, attention_mask=torch.ones_like(x), do_sample=False,
+                               max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, pad_token_id=0)
             outs.append(y[0, len(ids):].tolist())
     return outs
 
@@ -53,8 +58,10 @@ def peft_greedy(base, adapter, prompts, max_new_tokens=12):
 def adapters(tiny_models, tmp_path_factory):
     root = tmp_path_factory.mktemp("loras")
     base = tiny_models["llama"]
-    return {"a": make_adapter(base, root / "a", 1), "b": make_adapter(base, root / "b", 2, rank=8, targets=("q_proj", "v_proj", "down_proj")),
-            "qwen2": make_adapter(tiny_models["qwen2"], root / "qwen2", 3), "qwen3": make_adapter(tiny_models["qwen3"], root / "qwen3", 4)}
+    return {"a": make_adapter(base, root / "a", 1),
+            "b": make_adapter(base, root / "b", 2, rank=8, targets=("q_proj", "v_proj", "down_proj")),
+            "qwen2": make_adapter(tiny_models["qwen2"], root / "qwen2", 3),
+            "qwen3": make_adapter(tiny_models["qwen3"], root / "qwen3", 4)}
 
 
 def tokens(outs):
@@ -70,12 +77,13 @@ def test_adapter_outputs_match_peft(tiny_models, adapters, arch, adapter):
     llm.load_lora("x", str(adapters[adapter]))
     ours = tokens(llm.generate(PROMPTS, GREEDY, lora_name="x"))
     assert ours == peft_greedy(tiny_models[arch], adapters[adapter], PROMPTS)
-    assert ours != hf_greedy(tiny_models[arch], PROMPTS, 12), "the adapter changed nothing: the test would prove nothing"
+    assert ours != hf_greedy(tiny_models[arch], PROMPTS, 12), "the adapter changed nothing: the test proves nothing"
     assert tokens(llm.generate(PROMPTS, GREEDY)) == hf_greedy(tiny_models[arch], PROMPTS, 12)  # the base stays the base
 
 
 def test_base_and_two_adapters_share_every_step(tiny_models, adapters):
-    llm = LLM(str(tiny_models["llama"]), max_model_len=256, num_gpu_blocks_override=BLOCKS, enable_lora=True, max_lora_rank=8, max_num_batched_tokens=24)
+    llm = LLM(str(tiny_models["llama"]), max_model_len=256, num_gpu_blocks_override=BLOCKS, enable_lora=True,
+              max_lora_rank=8, max_num_batched_tokens=24)
     llm.load_lora("a", str(adapters["a"]))
     llm.load_lora("b", str(adapters["b"]))
     solo = {name: tokens(llm.generate(PROMPTS, GREEDY, lora_name=name)) for name in ("a", "b", None)}
@@ -98,13 +106,17 @@ def test_adapter_samples_share_the_prompt_and_survive_preemption(tiny_models, ad
     """n = 3 samples of an adapter request share its prompt blocks (copy-on-write) and each equals a single
     request with its seed; a KV budget too small for all of them preempts and recomputes, same outputs."""
     sampled = SamplingParams(temperature=0.9, seed=7, max_tokens=20, ignore_eos=True)
-    roomy = LLM(str(tiny_models["llama"]), max_model_len=256, num_gpu_blocks_override=BLOCKS, enable_lora=True, max_lora_rank=8)
+    roomy = LLM(str(tiny_models["llama"]), max_model_len=256, num_gpu_blocks_override=BLOCKS, enable_lora=True,
+                max_lora_rank=8)
     roomy.load_lora("a", str(adapters["a"]))
-    (fanned,) = roomy.generate([PROMPTS[2]], SamplingParams(temperature=0.9, seed=7, max_tokens=20, ignore_eos=True, n=3), lora_name="a")
-    singles = [roomy.generate([PROMPTS[2]], SamplingParams(temperature=0.9, seed=7 + i, max_tokens=20, ignore_eos=True), lora_name="a")[0]
+    fan_out = SamplingParams(temperature=0.9, seed=7, max_tokens=20, ignore_eos=True, n=3)
+    (fanned,) = roomy.generate([PROMPTS[2]], fan_out, lora_name="a")
+    singles = [roomy.generate([PROMPTS[2]], SamplingParams(temperature=0.9, seed=7 + i, max_tokens=20, ignore_eos=True),
+                              lora_name="a")[0]
                for i in range(3)]
     assert [o.token_ids for o in fanned.outputs] == [s.outputs[0].token_ids for s in singles]
-    tight = LLM(str(tiny_models["llama"]), max_model_len=96, enable_lora=True, max_lora_rank=8, num_gpu_blocks_override=9)
+    tight = LLM(str(tiny_models["llama"]), max_model_len=96, enable_lora=True, max_lora_rank=8,
+                num_gpu_blocks_override=9)
     tight.load_lora("a", str(adapters["a"]))
     outs = tight.generate([PROMPTS[2]] * 3, [sampled] * 3, lora_name="a")
     assert tight.engine.scheduler.num_preemptions > 0, "the budget was meant to force preemption"
@@ -113,17 +125,20 @@ def test_adapter_samples_share_the_prompt_and_survive_preemption(tiny_models, ad
 
 
 def test_prefix_cache_keeps_adapters_apart(tiny_models, adapters):
-    llm = LLM(str(tiny_models["llama"]), max_model_len=256, num_gpu_blocks_override=BLOCKS, enable_lora=True, max_lora_rank=8)
+    llm = LLM(str(tiny_models["llama"]), max_model_len=256, num_gpu_blocks_override=BLOCKS, enable_lora=True,
+              max_lora_rank=8)
     llm.load_lora("a", str(adapters["a"]))
     prompt = list(range(300, 340))  # two full blocks of 16
     assert llm.generate([prompt], GREEDY)[0].num_cached_tokens == 0
-    assert llm.generate([prompt], GREEDY, lora_name="a")[0].num_cached_tokens == 0  # the base model's K/V are not the adapter's
+    # the base model's K/V are not the adapter's
+    assert llm.generate([prompt], GREEDY, lora_name="a")[0].num_cached_tokens == 0
     assert llm.generate([prompt], GREEDY, lora_name="a")[0].num_cached_tokens == 32
     assert llm.generate([prompt], GREEDY)[0].num_cached_tokens == 32
 
 
 def test_hot_swap_and_clear_errors(tiny_models, adapters, tmp_path):
-    llm = LLM(str(tiny_models["llama"]), max_model_len=256, num_gpu_blocks_override=BLOCKS, enable_lora=True, max_lora_rank=4, max_loras=1)
+    llm = LLM(str(tiny_models["llama"]), max_model_len=256, num_gpu_blocks_override=BLOCKS, enable_lora=True,
+              max_lora_rank=4, max_loras=1)
     llm.load_lora("a", str(adapters["a"]))
     with_a = tokens(llm.generate(PROMPTS[:1], GREEDY, lora_name="a"))
     with pytest.raises(ValueError, match="all 1 LoRA slots are in use"):
@@ -149,7 +164,8 @@ def test_hot_swap_and_clear_errors(tiny_models, adapters, tmp_path):
     wrong = tmp_path / "wrong-model"  # an adapter made for a model of another width
     shutil.copytree(adapters["a"], wrong)
     weights = load_file(str(wrong / "adapter_model.safetensors"))
-    save_file({k: (v[:, :32].contiguous() if "lora_A" in k else v) for k, v in weights.items()}, str(wrong / "adapter_model.safetensors"))
+    save_file({k: (v[:, :32].contiguous() if "lora_A" in k else v) for k, v in weights.items()},
+              str(wrong / "adapter_model.safetensors"))
     llm.unload_lora("a2")
     with pytest.raises(ValueError, match="was the adapter made for another model"):
         llm.load_lora("wrong", str(wrong))
@@ -162,15 +178,15 @@ def test_hot_swap_and_clear_errors(tiny_models, adapters, tmp_path):
 def test_server_serves_loads_and_unloads_adapters(tiny_models, adapters, tmp_path):
     import httpx
     import openai
+    from entrypoints.test_server import AUTH, Server  # tests/ is on sys.path (tests/conftest.py)
 
-    from test_server import AUTH, Server
-
-    offline = LLM(str(tiny_models["llama"]), max_model_len=256, num_gpu_blocks_override=BLOCKS, enable_lora=True, max_lora_rank=8)
+    offline = LLM(str(tiny_models["llama"]), max_model_len=256, num_gpu_blocks_override=BLOCKS, enable_lora=True,
+                  max_lora_rank=8)
     offline.load_lora("a", str(adapters["a"]))
     offline.load_lora("b", str(adapters["b"]))
     want = {name: offline.generate(PROMPTS[:1], GREEDY, lora_name=name)[0].outputs[0].text for name in ("a", "b", None)}
-    server = Server(tmp_path / "server.log", "--model", str(tiny_models["llama"]), "--max-model-len", "256", "--enable-lora",
-                    "--max-lora-rank", "8", "--lora-modules", f"a={adapters['a']}")
+    server = Server(tmp_path / "server.log", "--model", str(tiny_models["llama"]), "--max-model-len", "256",
+                    "--enable-lora", "--max-lora-rank", "8", "--lora-modules", f"a={adapters['a']}")
     try:
         client = server.client()
 
@@ -182,22 +198,27 @@ def test_server_serves_loads_and_unloads_adapters(tiny_models, adapters, tmp_pat
         assert set(models) == {"smol", "a"} and models["a"].model_extra["parent"] == "smol"
         assert complete("a") == want["a"] and complete("smol") == want[None]
         # hot swap under load: b is loaded, used and unloaded while a request on a streams
-        long_a = offline.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True), lora_name="a")[0].outputs[0].text
+        long_greedy = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True)
+        long_a = offline.generate(PROMPTS[:1], long_greedy, lora_name="a")[0].outputs[0].text
         stream = client.completions.create(model="a", prompt=PROMPTS[0], max_tokens=120, temperature=0.0, stream=True,
                                            extra_body={"ignore_eos": True})
         chunks = iter(stream)
         streamed = next(chunks).choices[0].text
-        r = httpx.post(server.url + "/v1/load_lora_adapter", json={"lora_name": "b", "lora_path": str(adapters["b"])}, headers=AUTH)
+        r = httpx.post(server.url + "/v1/load_lora_adapter", json={"lora_name": "b", "lora_path": str(adapters["b"])},
+                       headers=AUTH)
         assert r.status_code == 200, r.text
         assert complete("b") == want["b"]
         # the cheap probe names each loaded adapter with its folder (the gateway and the operator read it)
         assert server.load()["lora_adapters"] == {"a": str(adapters["a"]), "b": str(adapters["b"])}
         streamed += "".join(c.choices[0].text for c in chunks if c.choices)
         assert streamed == long_a  # the stream on a went on untouched through b's load and use
-        bad = httpx.post(server.url + "/v1/load_lora_adapter", json={"lora_name": "c", "lora_path": str(tmp_path)}, headers=AUTH)
+        bad = httpx.post(server.url + "/v1/load_lora_adapter", json={"lora_name": "c", "lora_path": str(tmp_path)},
+                         headers=AUTH)
         assert bad.status_code == 400 and "adapter_config.json is missing" in bad.json()["error"]["message"]
-        assert httpx.post(server.url + "/v1/load_lora_adapter", json={"lora_name": "c", "lora_path": "x"}).status_code == 401
-        assert httpx.post(server.url + "/v1/unload_lora_adapter", json={"lora_name": "b"}, headers=AUTH).status_code == 200
+        no_key = httpx.post(server.url + "/v1/load_lora_adapter", json={"lora_name": "c", "lora_path": "x"})
+        assert no_key.status_code == 401
+        unloaded = httpx.post(server.url + "/v1/unload_lora_adapter", json={"lora_name": "b"}, headers=AUTH)
+        assert unloaded.status_code == 200
         with pytest.raises(openai.NotFoundError):
             complete("b")
         assert server.load()["lora_adapters"] == {"a": str(adapters["a"])}
@@ -213,14 +234,16 @@ def test_metrics_name_the_running_and_waiting_adapters_as_vllm_does(tiny_models,
 
     from pagefleet.worker.entrypoints.metrics import ServerMetrics
 
-    llm = LLM(str(tiny_models["llama"]), max_model_len=256, num_gpu_blocks_override=BLOCKS, enable_lora=True, max_lora_rank=8, max_num_seqs=1, max_loras=3)
+    llm = LLM(str(tiny_models["llama"]), max_model_len=256, num_gpu_blocks_override=BLOCKS, enable_lora=True,
+              max_lora_rank=8, max_num_seqs=1, max_loras=3)
     llm.load_lora("a", str(adapters["a"]))
     llm.load_lora("b", str(adapters["b"]))
     engine = llm.engine
     engine.add_request("1", PROMPTS[0], GREEDY, "a")
     engine.add_request("2", PROMPTS[1], GREEDY, "b")
     engine.step()  # one sequence at a time: a runs, b waits
-    families = {f.name: f for f in text_string_to_metric_families(ServerMetrics("tiny", engine.stats).render().decode())}
+    text = ServerMetrics("tiny", engine.stats).render().decode()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
     (sample,) = families["vllm:lora_requests_info"].samples
     assert sample.labels == {"max_lora": "3", "running_lora_adapters": "a", "waiting_lora_adapters": "b"}
     plain = LLM(str(tiny_models["llama"]), max_model_len=256, num_gpu_blocks_override=BLOCKS)

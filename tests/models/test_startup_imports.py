@@ -20,6 +20,7 @@ print("torch._dynamo" in sys.modules)
 
 def test_building_the_model_does_not_import_dynamo(tiny_models):
     # a child process: other tests in this one may have imported torch._dynamo already
-    done = subprocess.run([sys.executable, "-c", CODE, str(tiny_models["llama"])], capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, "-c", CODE, str(tiny_models["llama"])], capture_output=True, text=True,
+                          timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().splitlines()[-1] == "False"

@@ -21,7 +21,8 @@ def same_tokenizer(ours, auto):
         assert ours(text).input_ids == auto(text).input_ids
         ids = auto(text).input_ids
         assert ours.decode(ids, skip_special_tokens=True) == auto.decode(ids, skip_special_tokens=True)
-    assert (ours.bos_token_id, ours.eos_token_id, ours.pad_token_id) == (auto.bos_token_id, auto.eos_token_id, auto.pad_token_id)
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        assert getattr(ours, name) == getattr(auto, name), name
 
 
 def test_the_bundled_tokenizer_and_its_chat_template(smollm2_path):
@@ -57,6 +58,7 @@ def test_the_model_factory_is_not_imported(smollm2_path):
     code = ("import sys; from pathlib import Path; from pagefleet.worker.models.loader import load_tokenizer; "
             f"load_tokenizer(Path({str(smollm2_path)!r})); "
             "print(sorted(m for m in sys.modules if m.endswith('auto_factory') or m.startswith('sklearn')))")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=str(smollm2_path))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          cwd=str(smollm2_path))
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().splitlines()[-1] == "[]"

@@ -10,43 +10,18 @@ import re
 import torch
 from torch import nn
 
-from pagefleet.kernels.reference import rope_cos_sin_cache
 from pagefleet.worker.models.layers import ops
+from pagefleet.worker.models.layers.linear import Linear
+from pagefleet.worker.models.layers.norm import RMSNorm
 from pagefleet.worker.models.layers.paged_attention import PagedAttention
 from pagefleet.worker.models.registry import ModelConfig
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, fp8: bool = False):
-        """fp8: the output goes to an e4m3 GEMM; hand it over quantised (ops.Fp8Rows)."""
-        if residual is None:
-            return ops.rms_norm_fp8(x, self.weight, self.eps) if fp8 else ops.rms_norm(x, self.weight, self.eps)
-        if fp8:
-            return ops.fused_add_rms_norm_fp8(x, residual, self.weight, self.eps)
-        return ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
-
-
-class Linear(nn.Linear):
-    """nn.Linear whose decode-sized calls (a few token rows) go to our bandwidth-bound GEMV on CUDA, and
-    which adds its LoRA adapters' products when the engine has them (worker/models/layers/lora.py)."""
-
-    lora = None  # LoRAWeights, attached by the LoRA manager
-    weight_scale = None  # bf16 / fp32 weights; worker/fp8.py's Fp8Linear has e4m3 ones with per-row scales
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = ops.linear(x, self.weight, self.bias)
-        return out if self.lora is None else self.lora.apply(x, out)
 
 
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, qk_norm: bool = False):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = config.head_dim
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_bias)
@@ -81,7 +56,8 @@ class MLP(nn.Module):
         if fp8_rows:  # x came quantised; so does the activation's output, for down's FP8 GEMM
             return self.down_proj(ops.silu_and_mul_fp8(gate_up(x)))
         if gate_up.lora is None:  # no adapter: the activation can fuse into the decode GEMV
-            return self.down_proj(ops.linear_silu_and_mul(x, gate_up.weight, gate_up.bias, weight_scale=gate_up.weight_scale))
+            return self.down_proj(ops.linear_silu_and_mul(x, gate_up.weight, gate_up.bias,
+                                                          weight_scale=gate_up.weight_scale))
         return self.down_proj(ops.silu_and_mul(gate_up(x)))
 
 
@@ -144,8 +120,9 @@ _PACKED_RE = re.compile(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.")
 class LlamaForCausalLM(nn.Module):
     qk_norm = False
     norms_folded = False  # fold_norms() ran
-    fp8_weights = False  # worker/fp8.py made the decoder linears e4m3
-    fuse_fp8_quantisation = True  # norms and activation quantise for the e4m3 GEMMs after them (False: the GEMMs do)
+    fp8_weights = False  # layers/fp8.py made the decoder linears e4m3
+    # norms and activation quantise for the e4m3 GEMMs after them (False: the GEMMs do)
+    fuse_fp8_quantisation = True
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -193,7 +170,9 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """out: a buffer to write into (the decode graphs' static logits)."""
-        return self.lm_head(hidden) if out is None else ops.linear(hidden, self.lm_head.weight, self.lm_head.bias, out=out)
+        if out is None:
+            return self.lm_head(hidden)
+        return ops.linear(hidden, self.lm_head.weight, self.lm_head.bias, out=out)
 
     # ---- weights
 
@@ -242,4 +221,5 @@ class LlamaForCausalLM(nn.Module):
 
     def post_load(self, device: torch.device) -> None:
         c = self.config
-        self.cos_sin_cache = rope_cos_sin_cache(c.head_dim, c.max_position_embeddings, c.rope_theta, c.rope_scaling, torch.float32, device)
+        self.cos_sin_cache = ops.rope_cos_sin_cache(c.head_dim, c.max_position_embeddings, c.rope_theta,
+                                                    c.rope_scaling, torch.float32, device)

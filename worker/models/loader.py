@@ -158,7 +158,8 @@ def load_weights(model: torch.nn.Module, path: Path, device: torch.device) -> No
     bar.close()
     missing = [n for n in model.expected_weights() if n not in loaded]
     if missing:
-        raise ModelFolderError(f"checkpoint {path} lacks weights: {', '.join(missing[:5])}{' …' if len(missing) > 5 else ''}")
+        more = " …" if len(missing) > 5 else ""
+        raise ModelFolderError(f"checkpoint {path} lacks weights: {', '.join(missing[:5])}{more}")
     model.tie_weights_if_needed()
 
 
@@ -178,7 +179,8 @@ def load_tokenizer(path: Path):
 
 
 def build_model(config: ModelConfig, path: Path | None, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
-    """path None: random weights, for a compile worker's twin (worker/executor/startup/compile_workers.py), where only shapes count."""
+    """path None: random weights, for a compile worker's twin (worker/executor/startup/compile_workers.py),
+    where only shapes count."""
     import torch
 
     cls = model_class(config.architecture)

@@ -36,7 +36,7 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
 
     @classmethod
-    def from_dict(cls, raw: dict, generation: dict) -> "ModelConfig":
+    def from_dict(cls, raw: dict, generation: dict) -> ModelConfig:
         arch = next(a for a in raw["architectures"] if a in _REGISTRY)
         heads = raw["num_attention_heads"]
         # transformers 5 writes rope_parameters (theta inside); older checkpoints rope_theta + rope_scaling.

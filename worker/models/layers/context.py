@@ -7,9 +7,10 @@ leaves no stale metadata for the next.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from pagefleet.worker.models.layers.lora import LoRAMapping

@@ -12,7 +12,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagefleet import kernels
 from pagefleet.worker.models.layers import ops
 
 
@@ -24,7 +23,7 @@ class Fp8Linear(nn.Module):
         w = linear.weight.data
         if w.shape[0] % 16 or w.shape[1] % 16:
             raise ValueError(f"fp8 needs Linear sizes that are multiples of 16, got {tuple(w.shape)}")
-        q, scale = kernels.reference.quantize_weight_fp8(w)
+        q, scale = ops.quantize_weight_fp8(w)
         self.weight = nn.Parameter(q, requires_grad=False)
         self.weight_scale = nn.Parameter(scale.float(), requires_grad=False)
         self.bias = linear.bias
@@ -50,6 +49,5 @@ def quantize_linears_fp8(model: nn.Module) -> None:
 def decoder_linears(model: nn.Module):
     """(module, attribute name) of each decoder layer's qkv, o_proj, gate_up and down linears."""
     for layer in model.model.layers:
-        for parent, name in ((layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"), (layer.mlp, "gate_up_proj"),
-                             (layer.mlp, "down_proj")):
-            yield parent, name
+        yield from ((layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"), (layer.mlp, "gate_up_proj"),
+                    (layer.mlp, "down_proj"))

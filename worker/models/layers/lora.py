@@ -91,7 +91,8 @@ class LoRAManager:
             weights = {}
             for name, module_shards in shards.items():
                 linear = layer.get_submodule(name)
-                linear.lora = weights[name] = LoRAWeights(linear.in_features, module_shards, max_loras, max_rank, dtype, device)
+                linear.lora = weights[name] = LoRAWeights(linear.in_features, module_shards, max_loras, max_rank,
+                                                          dtype, device)
             self.layers.append(weights)
 
     @property
@@ -133,7 +134,7 @@ class LoRAManager:
         """Token rows of this step per adapter slot; None when no sequence uses an adapter."""
         rows: dict[int, list[int]] = {}
         start = 0
-        for seq, n in zip(seqs, counts):
+        for seq, n in zip(seqs, counts, strict=True):
             if seq.lora_id:
                 rows.setdefault(self.slot_of_id[seq.lora_id], []).extend(range(start, start + n))
             start += n
@@ -142,7 +143,8 @@ class LoRAManager:
         return LoRAMapping([(slot, torch.tensor(r, dtype=torch.long, device=self.device)) for slot, r in rows.items()])
 
 
-def read_peft_adapter(folder: Path, max_rank: int, num_layers: int) -> tuple[dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]], float]:
+def read_peft_adapter(folder: Path, max_rank: int,
+                      num_layers: int) -> tuple[dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]], float]:
     """{(layer, target): (A [r, in], B [out, r])} and the scale of a PEFT LoRA folder, checked."""
     from safetensors.torch import load_file
 

@@ -1,10 +1,13 @@
-"""The hot-path operations the models call: Triton kernels on CUDA, their plain-torch references elsewhere.
+"""The kernel switch: every operation the models call, as a Triton kernel on CUDA or its torch reference.
 
 One switch, chosen once per process: `use_triton(True/False)`; the model runner sets it from the device.
+Models and layers reach pagefleet.kernels only through here. Every call is on the hot path of an eager
+step: the switch is one module global (`_triton`), read per call.
 """
 
 from __future__ import annotations
 
+import importlib
 from typing import NamedTuple
 
 import torch
@@ -21,15 +24,24 @@ def use_triton(enabled: bool) -> None:
     if not enabled:
         _triton = None
         return
-    from pagefleet.kernels import activation, arrivals, attention, fp8, gemv, greedy, kv_cache, norm, prefill_attention, rope
+    # imported here, not at the top: the Triton modules import triton, which CPU-only processes skip
+    names = ("activation", "arrivals", "attention", "fp8", "gemv", "greedy", "kv_cache", "norm", "prefill_attention",
+             "rope")
+    _triton = {name: importlib.import_module(f"pagefleet.kernels.{name}") for name in names}
 
-    _triton = {"arrivals": arrivals, "attention": attention, "kv_cache": kv_cache, "norm": norm, "rope": rope, "activation": activation, "gemv": gemv,
-               "greedy": greedy, "prefill_attention": prefill_attention, "fp8": fp8}
 
+# Load-time work, not launches: the same torch code on every device, run once per model load.
+rope_cos_sin_cache = ref.rope_cos_sin_cache
+quantize_weight_fp8 = ref.quantize_weight_fp8
 
-SKINNY_MAX_ROWS = 16  # up to this many tokens a linear is a weight read: our GEMV beat cuBLAS there (docs/benchmarks-kernels.md)
-# e4m3 weights: at 32 rows the GEMV still beat quantise + _scaled_mm on every decoder shape (down 27.9 us
-# against 42.0; batch-32 decode step 5.60 -> 4.77 ms), at 64 it lost on three of four (run N)
+# Up to this many token rows a bf16 linear is a weight read, and our GEMV beats cuBLAS at every decoder
+# shape (8B, M = 16: qkv 15.4 against 16.1 us, down 31.2 against 32.5; H200, benchmarks/gemv_bench.py).
+# From 17 to 32 rows it made decode steps about 1 % slower (5.199 against 5.139 ms at batch 17, H200,
+# benchmarks/decode_graphs_ab.py in commit f0ac536). A constant, not a flag; tests may patch it.
+SKINNY_MAX_ROWS = 16
+# e4m3 weights: at 32 rows the GEMV still beats quantise + _scaled_mm on every decoder shape (down 27.9 us
+# against 42.0; batch-32 decode step 5.60 -> 4.77 ms), at 64 it loses on three of four (H200,
+# benchmarks/gemv_bench.py; docs/benchmarks-kernels.md)
 SKINNY_MAX_ROWS_FP8 = 32
 
 
@@ -65,7 +77,7 @@ class Fp8Rows(NamedTuple):
 
 
 def linear(x, weight, bias=None, out=None, weight_scale=None):
-    """weight_scale [N] fp32: weight is e4m3 (worker/fp8.py). A decode graph's few rows then read it through our
+    """weight_scale [N] fp32: weight is e4m3 (layers/fp8.py). A decode graph's few rows then read it through our
     GEMV unquantised (weight-only FP8, half the bytes of bf16); other calls quantise x per token for
     torch._scaled_mm (kernels/fp8.py), unless x is Fp8Rows, quantised already."""
     if isinstance(x, Fp8Rows):
@@ -86,7 +98,8 @@ def linear_silu_and_mul(x, weight, bias=None, sumsq=None, eps=0.0, weight_scale=
     both (the activation in its epilogue); elsewhere a GEMM, then the activation kernel.
     sumsq: x is a folded norm's input, as in linear_normed."""
     if sumsq is not None:
-        return _gemv().skinny_matmul(x, weight, bias, gated=True, sumsq=sumsq, eps=eps, weight_scale=weight_scale)
+        return _gemv().skinny_matmul(x, weight, bias, gated=True, sumsq=sumsq, eps=eps,
+                                     weight_scale=weight_scale)
     if _skinny(x, weight, weight_scale):
         return _triton["gemv"].skinny_matmul(x, weight, bias, gated=True, weight_scale=weight_scale)
     return silu_and_mul(linear(x, weight, bias, weight_scale=weight_scale))
@@ -125,7 +138,8 @@ def rms_norm(x, weight, eps):
 
 
 def fused_add_rms_norm(x, residual, weight, eps):
-    return _triton["norm"].fused_add_rms_norm(x, residual, weight, eps) if _triton else ref.fused_add_rms_norm(x, residual, weight, eps)
+    impl = _triton["norm"] if _triton else ref
+    return impl.fused_add_rms_norm(x, residual, weight, eps)
 
 
 def silu_and_mul(x):
@@ -148,7 +162,8 @@ def silu_and_mul_fp8(x) -> Fp8Rows:
 
 
 def apply_rope(q, k, positions, cos_sin_cache):
-    return _triton["rope"].apply_rope(q, k, positions, cos_sin_cache) if _triton else ref.apply_rope(q, k, positions, cos_sin_cache)
+    impl = _triton["rope"] if _triton else ref
+    return impl.apply_rope(q, k, positions, cos_sin_cache)
 
 
 def rope_and_write_kv(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping):
@@ -170,26 +185,29 @@ def decode_warmup_batches(max_num_seqs: int, num_kv_heads: int) -> list[int]:
     return sorted(first.values())
 
 
-def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len, out=None, eager_step=False,
-                           new_kv=None, pdl_chain=False):
+def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len, out=None,
+                           eager_step=False, new_kv=None, pdl_chain=False):
     """new_kv=(k, v, positions, cos_sin_cache, slot_mapping): q, k before RoPE; the same launch rotates them and
     writes k, v to the cache (one launch fewer a layer than rope_and_write_kv first).
     pdl_chain: q, k, v come straight from our GEMV, itself launched with programmatic dependent launch
-    (kernels/pdl.py), so this launch may be too. After a cuBLAS GEMM or a norm it measured slower (run T)."""
+    (kernels/pdl.py), so this launch may be too. After a cuBLAS GEMM or a norm it is slower launched so
+    (5.249 against 5.228 ms a bf16 decode step at batch 32, H200, benchmarks/decode_graphs_ab.py in commit
+    d38697d)."""
     if not _triton:
-        return ref.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale=scale, max_seq_len=max_seq_len, out=out,
-                                          new_kv=new_kv)
+        return ref.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale=scale,
+                                          max_seq_len=max_seq_len, out=out, new_kv=new_kv)
     # A pure decode step run eagerly (--enforce-eager) is bound by the host's launch rate, not the GPU:
     # splitting the keys would add a reduce launch and two allocations per layer for GPU time nobody
     # waits on (batch 1: 71 against 44 tok/s). Graph replays and mixed steps keep the split.
     splits = 1 if eager_step and not is_graphed() else None
     return _triton["attention"].paged_decode_attention(
-        q, k_cache, v_cache, block_tables, seq_lens, scale=scale, max_seq_len=max_seq_len, out=out, num_splits=splits,
-        new_kv=new_kv, pdl_chain=pdl_chain,
+        q, k_cache, v_cache, block_tables, seq_lens, scale=scale, max_seq_len=max_seq_len, out=out,
+        num_splits=splits, new_kv=new_kv, pdl_chain=pdl_chain,
     )
 
 
-def paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, max_seq_len, out=None):
+def paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, max_seq_len,
+                            out=None):
     impl = _triton["prefill_attention"] if _triton else ref
     return impl.paged_prefill_attention(
         q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale=scale, max_seq_len=max_seq_len, out=out

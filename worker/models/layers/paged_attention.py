@@ -1,4 +1,4 @@
-"""Paged attention as a layer: rotate q/k and write this step's K/V into the cache, then attend through the block tables.
+"""Paged attention as a layer: rotate q/k, write this step's K/V into the cache, attend through the block tables.
 
 The step's metadata (slot mapping, block tables, sequence lengths, query offsets) is entered once per
 forward by the model runner (models/layers/context.py); every layer reads the same context, as nano-vllm does.
@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from pagefleet.worker.models.layers import ops
@@ -47,18 +48,18 @@ class PagedAttention(nn.Module):
             out = _attend_without_cache(q, k, v, meta, self.scale)
         elif meta.is_decode:
             # RoPE, the cache write and the attention in one launch: each new key is its sequence's last
-            out = ops.paged_decode_attention(q, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens, self.scale,
-                                             meta.max_seq_len, eager_step=True,
-                                             new_kv=(k, v, positions, cos_sin_cache, meta.slot_mapping), pdl_chain=pdl_chain)
+            out = ops.paged_decode_attention(q, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens,
+                                             self.scale, meta.max_seq_len, eager_step=True,
+                                             new_kv=(k, v, positions, cos_sin_cache, meta.slot_mapping),
+                                             pdl_chain=pdl_chain)
         else:
             # RoPE and the cache write are one kernel: the rotated keys go straight to their slots
             q = ops.rope_and_write_kv(q, k, v, positions, cos_sin_cache, self.k_cache, self.v_cache, meta.slot_mapping)
             if meta.num_decodes:
                 out = self._mixed(q, meta)
             else:
-                out = ops.paged_prefill_attention(
-                    q, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q, self.scale, meta.max_seq_len
-                )
+                out = ops.paged_prefill_attention(q, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens,
+                                                  meta.cu_seqlens_q, self.scale, meta.max_seq_len)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)
 
     def _mixed(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -66,11 +67,11 @@ class PagedAttention(nn.Module):
         would give every decode a whole query tile (32 tokens x 4 heads for one useful token)."""
         nd = meta.num_decodes
         out = torch.empty_like(q)
-        ops.paged_decode_attention(q[:nd], self.k_cache, self.v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], self.scale, meta.max_seq_len, out=out[:nd])
-        ops.paged_prefill_attention(
-            q[nd:], self.k_cache, self.v_cache, meta.prefill_block_tables, meta.prefill_seq_lens, meta.prefill_cu_seqlens_q,
-            self.scale, meta.max_seq_len, out=out[nd:],
-        )
+        ops.paged_decode_attention(q[:nd], self.k_cache, self.v_cache, meta.block_tables[:nd], meta.seq_lens[:nd],
+                                   self.scale, meta.max_seq_len, out=out[:nd])
+        ops.paged_prefill_attention(q[nd:], self.k_cache, self.v_cache, meta.prefill_block_tables,
+                                    meta.prefill_seq_lens, meta.prefill_cu_seqlens_q, self.scale, meta.max_seq_len,
+                                    out=out[nd:])
         return out
 
 
@@ -83,5 +84,5 @@ def _attend_without_cache(q, k, v, meta, scale):
         a, b = starts[s], starts[s + 1]
         qs, ks, vs = (t[a:b].transpose(0, 1) for t in (q, k, v))
         ks, vs = ks.repeat_interleave(group, 0), vs.repeat_interleave(group, 0)
-        out[a:b] = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale).transpose(0, 1)
+        out[a:b] = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale).transpose(0, 1)
     return out
