@@ -18,8 +18,10 @@ COMMANDS = {
     "gateway": ("pagefleet.gateway.app", "run the LiteLLM gateway with queue-depth routing"),
 }
 BENCH_COMMANDS = {
-    "throughput": ("pagefleet.worker.entrypoints.cli.bench_throughput", "offline throughput of the engine (and transformers)"),
-    "serve": ("pagefleet.worker.entrypoints.cli.bench_serve", "load a running server and report TTFT, inter-token latency, tok/s"),
+    "throughput": ("pagefleet.worker.entrypoints.cli.bench_throughput",
+                   "offline throughput of the engine (and transformers)"),
+    "serve": ("pagefleet.worker.entrypoints.cli.bench_serve",
+              "load a running server and report TTFT, inter-token latency, tok/s"),
 }
 
 

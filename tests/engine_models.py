@@ -18,7 +18,15 @@ TINY_ARCHS = ("llama", "qwen2", "qwen3")
 
 
 def tiny_model(arch: str, folder: Path) -> Path:
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    from transformers import (
+        AutoTokenizer,
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
 
     if (folder / "config.json").exists():
         return folder
@@ -28,7 +36,9 @@ def tiny_model(arch: str, folder: Path) -> Path:
         initializer_range=0.5,  # peaked logits, so greedy choices are not near-ties
     )
     if arch == "llama":
-        config = LlamaConfig(**common, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 128}, rope_theta=500000.0)
+        rope_scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                        "original_max_position_embeddings": 128}
+        config = LlamaConfig(**common, rope_scaling=rope_scaling, rope_theta=500000.0)
         cls = LlamaForCausalLM
     elif arch == "qwen2":
         config, cls = Qwen2Config(**common), Qwen2ForCausalLM
@@ -62,6 +72,7 @@ def hf_greedy(path: Path, prompts: list[list[int]], max_new_tokens: int) -> list
     with torch.inference_mode():
         for ids in prompts:
             x = torch.tensor([ids])
-            y = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, pad_token_id=0)
+            y = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=max_new_tokens,
+                               min_new_tokens=max_new_tokens, pad_token_id=0)
             outs.append(y[0, len(ids):].tolist())
     return outs

@@ -4,9 +4,9 @@ tokenizer.decode gives, and the text built token by token equal to one decode of
 import pytest
 
 from pagefleet.worker.core.detokenizer import text_decoder, update_text
-from pagefleet.worker.models.loader import load_tokenizer
 from pagefleet.worker.core.sampling_params import SamplingParams
 from pagefleet.worker.core.sequence import Sequence
+from pagefleet.worker.models.loader import load_tokenizer
 
 TEXT = "Hello , world . Ünïcödé ✓ 日本語 🚀  two  spaces\nnew line"
 

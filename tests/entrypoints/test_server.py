@@ -186,14 +186,15 @@ def test_sampling_knobs_and_prompt_lists(server, tokenizer):
     come back as choices prompt-major, n per prompt."""
     client = server.client()
     r = client.completions.create(
-        model="smol", prompt=[tokenizer.encode("Apples are"), tokenizer.encode("Bananas are")], n=2, max_tokens=5, temperature=0.7,
-        top_p=0.9, presence_penalty=0.5, frequency_penalty=0.3, seed=3,
+        model="smol", prompt=[tokenizer.encode("Apples are"), tokenizer.encode("Bananas are")], n=2, max_tokens=5,
+        temperature=0.7, top_p=0.9, presence_penalty=0.5, frequency_penalty=0.3, seed=3,
         extra_body={"top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1, "ignore_eos": True, "min_tokens": 2})
     assert [c.index for c in sorted(r.choices, key=lambda c: c.index)] == [0, 1, 2, 3]
     assert r.usage.prompt_tokens == len(tokenizer.encode("Apples are")) + len(tokenizer.encode("Bananas are"))
     assert r.usage.completion_tokens == 4 * 5 and all(c.finish_reason == "length" for c in r.choices)
     # top_k=1 is greedy whatever the temperature
-    greedy_text = client.completions.create(model="smol", prompt="Apples are", max_tokens=6, temperature=0).choices[0].text
+    greedy_text = client.completions.create(model="smol", prompt="Apples are", max_tokens=6,
+                                            temperature=0).choices[0].text
     top1 = client.completions.create(model="smol", prompt="Apples are", max_tokens=6, temperature=1.5,
                                      extra_body={"top_k": 1}).choices[0].text
     assert top1 == greedy_text
@@ -231,7 +232,7 @@ def test_logprobs(server):
     lp = r.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
     assert "".join(lp.tokens) == r.choices[0].text
-    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+    for logprob, top in zip(lp.token_logprobs, lp.top_logprobs):
         assert logprob <= 0 and len(top) >= 3
         assert max(top.values()) == pytest.approx(logprob, abs=1e-4)  # greedy: the chosen token is the best
 
@@ -406,7 +407,8 @@ def test_schemathesis_finds_no_server_errors(small_server, tmp_path):
     (The small server: a short context keeps generated "valid" requests cheap; 8 workers batch them.)"""
     cmd = [sys.executable, "-c", "import sys; from schemathesis.cli import schemathesis; sys.exit(schemathesis())",
            "run", small_server.url + "/openapi.json", "--checks", "not_a_server_error",
-           "--header", f"Authorization: Bearer {KEY}", "--max-examples", "10", "--request-timeout", "120", "--workers", "8",
+           "--header", f"Authorization: Bearer {KEY}", "--max-examples", "10", "--request-timeout", "120",
+           "--workers", "8",
            "--seed", "1", "--phases", "examples,coverage,fuzzing", "--exclude-path-regex", "^/(debug|metrics)"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=tmp_path)
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-2000:]

@@ -1,1 +1,2 @@
-"""pagefleet.worker.core: the engine's torch-free core: sequences, sampling params, the KV block manager, the scheduler, outputs, detokenisation."""
+"""pagefleet.worker.core: the engine's torch-free core: sequences, sampling params, the KV block manager, the
+scheduler, outputs, detokenisation."""

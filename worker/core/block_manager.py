@@ -16,6 +16,8 @@ from pagefleet.worker.core.sequence import Sequence
 
 
 class Block:
+    """One block of the pool; `hash` and `token_ids` are set while it holds a full block the prefix cache finds."""
+
     __slots__ = ("block_id", "ref_count", "hash", "token_ids")
 
     def __init__(self, block_id: int):

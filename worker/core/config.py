@@ -25,25 +25,34 @@ class EngineConfig:
     enable_lora: bool = False  # keep slots for LoRA adapters, loaded and unloaded while serving
     max_loras: int = 4  # adapters loaded at once
     max_lora_rank: int = 16
-    compile_workers: int | None = None  # processes compiling GPU kernels at a cold start (worker/executor/startup/compile_workers.py); None: auto, 0: none
-    cpu_threads: int | None = None  # torch threads on CPU; default half the cores (the server and tokenizer need the rest)
+    # Processes compiling GPU kernels at a cold start (worker/executor/startup/compile_workers.py); None: auto, 0: none.
+    compile_workers: int | None = None
+    cpu_threads: int | None = None  # torch threads on CPU; default half the cores (server and tokenizer need the rest)
 
-    def validate(self) -> "EngineConfig":
+    def validate(self) -> EngineConfig:
         def need(ok: bool, message: str) -> None:
             if not ok:
                 raise ValueError(message)
 
-        need(self.dtype in ("auto", "float32", "float16", "bfloat16"), f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}")
-        need(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"), f"device must be auto, cpu or cuda[:N], got {self.device!r}")
-        need(self.max_model_len is None or self.max_model_len > 0, f"max_model_len must be > 0, got {self.max_model_len}")
+        need(self.dtype in ("auto", "float32", "float16", "bfloat16"),
+             f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}")
+        need(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
+             f"device must be auto, cpu or cuda[:N], got {self.device!r}")
+        need(self.max_model_len is None or self.max_model_len > 0,
+             f"max_model_len must be > 0, got {self.max_model_len}")
         need(self.max_num_seqs > 0, f"max_num_seqs must be > 0, got {self.max_num_seqs}")
         need(self.max_num_batched_tokens > 0, f"max_num_batched_tokens must be > 0, got {self.max_num_batched_tokens}")
-        need(self.block_size in (8, 16, 32, 64, 128), f"block_size must be one of 8, 16, 32, 64, 128, got {self.block_size}")
-        need(0.0 < self.gpu_memory_fraction <= 1.0, f"gpu_memory_fraction must be in (0, 1], got {self.gpu_memory_fraction}")
+        need(self.block_size in (8, 16, 32, 64, 128),
+             f"block_size must be one of 8, 16, 32, 64, 128, got {self.block_size}")
+        need(0.0 < self.gpu_memory_fraction <= 1.0,
+             f"gpu_memory_fraction must be in (0, 1], got {self.gpu_memory_fraction}")
         need(self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0, "kv_cache_memory_bytes must be > 0")
-        need(self.num_gpu_blocks_override is None or self.num_gpu_blocks_override > 0, "num_gpu_blocks_override must be > 0")
+        need(self.num_gpu_blocks_override is None or self.num_gpu_blocks_override > 0,
+             "num_gpu_blocks_override must be > 0")
         need(self.quantization in (None, "fp8"), f"quantization must be fp8 or unset, got {self.quantization!r}")
         need(self.max_loras > 0 and self.max_lora_rank > 0, "max_loras and max_lora_rank must be > 0")
-        need(self.compile_workers is None or self.compile_workers >= 0, f"compile_workers must be >= 0, got {self.compile_workers}")
-        need(not (self.enable_lora and self.quantization), "LoRA adapters run on bf16 / fp32 weights; drop --quantization to use them")
+        need(self.compile_workers is None or self.compile_workers >= 0,
+             f"compile_workers must be >= 0, got {self.compile_workers}")
+        need(not (self.enable_lora and self.quantization),
+             "LoRA adapters run on bf16 / fp32 weights; drop --quantization to use them")
         return self

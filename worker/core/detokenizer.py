@@ -6,8 +6,8 @@ right (the same trick vLLM and TGI use); a stop string is searched only where ne
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from pagefleet.worker.core.sequence import Sequence
 

@@ -37,7 +37,7 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < GREEDY_EPS
 
-    def validate(self) -> "SamplingParams":
+    def validate(self) -> SamplingParams:
         """Raise ValueError naming the bad field; the server maps it to HTTP 400 with that param."""
 
         def need(ok: bool, name: str, message: str) -> None:
@@ -52,15 +52,20 @@ class SamplingParams:
         need(self.top_k == -1 or self.top_k >= 0, "top_k", f"must be -1 (off), 0 (off) or positive, got {self.top_k}")
         need(0.0 <= self.min_p <= 1.0, "min_p", f"must be in [0, 1], got {self.min_p}")
         need(self.repetition_penalty > 0.0, "repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
-        need(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}")
-        need(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty}")
-        need(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens > 0), "max_tokens", f"must be a positive integer, got {self.max_tokens!r}")
+        need(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty",
+             f"must be in [-2, 2], got {self.presence_penalty}")
+        need(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty",
+             f"must be in [-2, 2], got {self.frequency_penalty}")
+        need(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens > 0), "max_tokens",
+             f"must be a positive integer, got {self.max_tokens!r}")
         need(self.min_tokens >= 0, "min_tokens", f"must be >= 0, got {self.min_tokens}")
-        need(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens", f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
+        need(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
+             f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
         need(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", f"must be in [0, 20], got {self.logprobs}")
         need(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
         need(len(self.stop) <= 16, "stop", f"allows at most 16 strings, got {len(self.stop)}")
-        need(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be non-negative integers")
+        need(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+             "must be non-negative integers")
         need(self.detokenize or not self.stop, "stop", "strings need detokenize=True")
         need(self.seed is None or isinstance(self.seed, int), "seed", f"must be an integer, got {self.seed!r}")
         return self

@@ -18,6 +18,9 @@ from pagefleet.worker.core.sequence import Sequence, SequenceStatus
 
 @dataclass
 class ScheduledBatch:
+    """One step's work, handed to the executor: each sequence with the tokens it computes now (decodes
+    first), the block copies to run before the forward, and the sequences preempted to make room."""
+
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write block copies to run first

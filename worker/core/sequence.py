@@ -71,7 +71,7 @@ class Sequence:
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
 
-    def fork(self, index: int, seed: int | None) -> "Sequence":
+    def fork(self, index: int, seed: int | None) -> Sequence:
         """A sibling sample that shares everything computed so far (the block manager shares the blocks)."""
         child = Sequence(self.request_id, index, list(self.token_ids), self.num_prompt_tokens, self.params, seed)
         child.status = self.status

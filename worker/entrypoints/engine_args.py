@@ -9,17 +9,22 @@ from pagefleet.worker.core.config import EngineConfig
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     d = EngineConfig()
-    parser.add_argument("--model", default=None, help="HF checkpoint folder (default: the bundled SmolLM2-135M-Instruct)")
+    parser.add_argument("--model", default=None,
+                        help="HF checkpoint folder (default: the bundled SmolLM2-135M-Instruct)")
     parser.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "float16", "bfloat16"])
     parser.add_argument("--device", default=d.device, help="auto, cpu or cuda[:N]")
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
     parser.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
     parser.add_argument("--block-size", type=int, default=d.block_size)
-    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=d.enable_prefix_caching)
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                        default=d.enable_prefix_caching)
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    parser.add_argument("--gpu-memory-fraction", "--gpu-memory-utilization", dest="gpu_memory_fraction", type=float, default=d.gpu_memory_fraction, help="share of the GPU this engine may use (0.35 beside a trainer)")
-    parser.add_argument("--kv-cache-memory-bytes", type=int, default=None, help="explicit KV budget (CPU default 1 GiB)")
+    parser.add_argument("--gpu-memory-fraction", "--gpu-memory-utilization", dest="gpu_memory_fraction", type=float,
+                        default=d.gpu_memory_fraction,
+                        help="share of the GPU this engine may use (0.35 beside a trainer)")
+    parser.add_argument("--kv-cache-memory-bytes", type=int, default=None,
+                        help="explicit KV budget (CPU default 1 GiB)")
     parser.add_argument("--num-gpu-blocks-override", type=int, default=None)
     parser.add_argument("--quantization", default=None, choices=[None, "fp8"])
     parser.add_argument("--seed", type=int, default=d.seed)
@@ -30,16 +35,19 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=d.async_scheduling,
                         help="overlap decode steps with the host's bookkeeping")
     parser.add_argument("--compile-workers", type=int, default=d.compile_workers,
-                        help="processes that compile GPU kernels in parallel at a cold start (default: half the CPUs this "
-                             "process may use, its container's CPU limit included, at most 6; 0: compile in this one)")
+                        help="processes that compile GPU kernels in parallel at a cold start (default: half the CPUs "
+                             "this process may use, its container's CPU limit included, at most 6; 0: compile in this "
+                             "one)")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
-        model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
-        enforce_eager=args.enforce_eager, gpu_memory_fraction=args.gpu_memory_fraction, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-        num_gpu_blocks_override=args.num_gpu_blocks_override, quantization=args.quantization, seed=args.seed, cpu_threads=args.cpu_threads, async_scheduling=args.async_scheduling,
+        model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
+        enable_prefix_caching=args.enable_prefix_caching, enforce_eager=args.enforce_eager,
+        gpu_memory_fraction=args.gpu_memory_fraction, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        num_gpu_blocks_override=args.num_gpu_blocks_override, quantization=args.quantization, seed=args.seed,
+        cpu_threads=args.cpu_threads, async_scheduling=args.async_scheduling,
         enable_lora=args.enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
         compile_workers=args.compile_workers,
     ).validate()

@@ -36,7 +36,8 @@ def add_lora_routes(app: FastAPI, state) -> None:
     @app.post("/v1/unload_lora_adapter", responses=ERROR_RESPONSES, response_class=PlainTextResponse)
     async def unload_lora_adapter(body: UnloadLoRARequest):
         if body.lora_name not in state.engine.lora_names():
-            raise APIError(404, f"The LoRA adapter `{body.lora_name}` is not loaded.", param="lora_name", code="model_not_found")
+            raise APIError(404, f"The LoRA adapter `{body.lora_name}` is not loaded.", param="lora_name",
+                           code="model_not_found")
         try:
             await state.engine.unload_lora(body.lora_name)
         except ValueError as e:

@@ -8,10 +8,16 @@ in the server from the stream each client sees: time to first token, gaps betwee
 from __future__ import annotations
 
 import time
-from typing import Callable
+from collections.abc import Callable
 
-from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, disable_created_metrics,
-                               generate_latest)
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 disable_created_metrics()  # no *_created series, as vLLM: half the lines for every scraper to skip

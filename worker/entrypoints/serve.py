@@ -10,8 +10,8 @@ import os
 import signal
 import time
 
-from pagefleet.worker.entrypoints.engine_args import add_engine_arguments, engine_config_from_args
 from pagefleet.worker.entrypoints.api_server import ServerState, build_app
+from pagefleet.worker.entrypoints.engine_args import add_engine_arguments, engine_config_from_args
 
 log = logging.getLogger("pagefleet.server")
 

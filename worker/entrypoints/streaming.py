@@ -26,7 +26,8 @@ _CLOSED = object()
 class Generation:
     """One API request: one engine request per prompt, each pumped by its own task into one queue."""
 
-    def __init__(self, state: ServerState, request_id: str, prompts: list[list[int]], params, lora_name: str | None = None):
+    def __init__(self, state: ServerState, request_id: str, prompts: list[list[int]], params,
+                 lora_name: str | None = None):
         self.state, self.params, self.lora_name = state, params, lora_name
         self.engine_ids = [f"{request_id}-{i}" for i in range(len(prompts))]
         self.done = [False] * len(prompts)

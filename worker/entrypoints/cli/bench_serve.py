@@ -192,7 +192,8 @@ async def _main(args) -> list[dict]:
         levels = [(None, r) for r in args.request_rate] if args.request_rate else [(c, None) for c in args.concurrency]
         for c, rate in levels:
             n = args.num_requests or (64 if rate else max(16, 4 * c))
-            row, results, start = await _level(session, args, headers, model, [prompt() for _ in range(n)], c, rate, gaps)
+            row, results, start = await _level(session, args, headers, model, [prompt() for _ in range(n)], c, rate,
+                                               gaps)
             rows.append(row)
             print(f"  {_level_name(row)}: {row['requests']} requests, {row['errors']} errors, "
                   f"{row['output_tok_s']:.1f} tok/s", file=sys.stderr, flush=True)
@@ -224,8 +225,9 @@ def _level_name(row: dict) -> str:
 def format_table(rows: list[dict]) -> str:
     open_loop = bool(rows) and bool(rows[0]["request_rate"])
     base = next((r["output_tok_s"] for r in rows if r["concurrency"] == 1), None)
-    lines = [f"| {'request rate (/s)' if open_loop else 'concurrency'} | TTFT p50 / p99 (ms) | inter-token p50 / p99 (ms) "
-             f"| output tok/s | {'most in flight' if open_loop else 'scaling'} |", "|---|---|---|---|---|"]
+    lines = [f"| {'request rate (/s)' if open_loop else 'concurrency'} | TTFT p50 / p99 (ms) "
+             f"| inter-token p50 / p99 (ms) | output tok/s | {'most in flight' if open_loop else 'scaling'} |",
+             "|---|---|---|---|---|"]
     for r in rows:
         if open_loop:
             level, last = f"{r['request_rate']:g}", str(r["max_in_flight"])

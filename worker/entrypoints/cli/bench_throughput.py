@@ -11,14 +11,15 @@ import json
 import random
 import time
 
+from pagefleet.worker.core.sampling_params import SamplingParams
 from pagefleet.worker.entrypoints.engine_args import add_engine_arguments, engine_config_from_args
 from pagefleet.worker.executor.startup.gc_freeze import frozen_heap
-from pagefleet.worker.core.sampling_params import SamplingParams
 
 WASTE_SAMPLE_EVERY = 8  # steps between KV-waste samples (a sample walks every block table)
 
 
-def draw_requests(n: int, seed: int, input_range: tuple[int, int], output_range: tuple[int, int], vocab: int) -> list[tuple[list[int], int]]:
+def draw_requests(n: int, seed: int, input_range: tuple[int, int], output_range: tuple[int, int],
+                  vocab: int) -> list[tuple[list[int], int]]:
     random.seed(seed)
     lengths = [(random.randint(*input_range), random.randint(*output_range)) for _ in range(n)]
     top = min(120000, vocab)
@@ -27,7 +28,8 @@ def draw_requests(n: int, seed: int, input_range: tuple[int, int], output_range:
 
 def run_engine(engine, requests, warmup: bool = True) -> dict:
     if warmup:  # compile kernels / first-touch memory outside the timed region
-        engine.add_request("warmup", requests[0][0][:32], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, detokenize=False))
+        engine.add_request("warmup", requests[0][0][:32],
+                           SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, detokenize=False))
         while engine.has_unfinished_requests():
             engine.step()
     engine.emit_partial = False
@@ -36,7 +38,8 @@ def run_engine(engine, requests, warmup: bool = True) -> dict:
     with frozen_heap():  # as `pagefleet serve` runs: no full GC pass over the start-up heap mid-run
         start = time.perf_counter()
         for i, (ids, out_len) in enumerate(requests):
-            engine.add_request(f"bench-{i}", ids, SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True, detokenize=False))
+            engine.add_request(f"bench-{i}", ids,
+                               SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True, detokenize=False))
         steps = 0
         generated = 0
         preempt0 = engine.scheduler.num_preemptions
@@ -66,7 +69,8 @@ def run_static(engine, batch: int, prompt_len: int, output_len: int) -> dict:
     """run_engine on `batch` requests of exactly prompt_len / output_len tokens (the anchors' draw, seed =
     batch), after an untimed run of the same shapes on other prompts (reversed, 2 output tokens): the timed
     steps find their kernels compiled and their memory touched."""
-    requests = draw_requests(batch, batch, (prompt_len, prompt_len), (output_len, output_len), engine.model_config.vocab_size)
+    requests = draw_requests(batch, batch, (prompt_len, prompt_len), (output_len, output_len),
+                             engine.model_config.vocab_size)
     run_engine(engine, [(ids[::-1], 2) for ids, _ in requests], warmup=False)
     return run_engine(engine, requests, warmup=False)
 
@@ -86,7 +90,8 @@ def run_hf(model_path, requests, batch_size: int, device: str, dtype) -> dict:
             ids = torch.tensor([[0] * (width - len(p)) + p for p, _ in chunk], device=device)
             mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in chunk], device=device)
             longest = max(o for _, o in chunk)
-            model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=longest, min_new_tokens=longest, pad_token_id=0)
+            model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=longest, min_new_tokens=longest,
+                           pad_token_id=0)
             useful += sum(o for _, o in chunk)
     elapsed = time.perf_counter() - start
     return {"seconds": elapsed, "output_tok_per_s": useful / elapsed, "output_tokens": useful}
@@ -98,7 +103,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--input-len", type=int, nargs=2, default=[64, 1024], metavar=("MIN", "MAX"))
     parser.add_argument("--output-len", type=int, nargs=2, default=[32, 512], metavar=("MIN", "MAX"))
     parser.add_argument("--dataset-seed", type=int, default=0)
-    parser.add_argument("--baseline", choices=["hf"], default=None, help="also run transformers generate() on the same requests")
+    parser.add_argument("--baseline", choices=["hf"], default=None,
+                        help="also run transformers generate() on the same requests")
     parser.add_argument("--hf-batch-size", type=int, default=64)
     parser.add_argument("--json-out", default=None, help="write the figures as JSON here")
 
@@ -107,20 +113,24 @@ def run(args: argparse.Namespace) -> int:
     from pagefleet.worker.engine.llm_engine import LLMEngine
 
     engine = LLMEngine(engine_config_from_args(args))
-    requests = draw_requests(args.num_requests, args.dataset_seed, tuple(args.input_len), tuple(args.output_len), engine.model_config.vocab_size)
-    print(f"pagefleet bench throughput: {len(requests)} requests, input {args.input_len}, output {args.output_len}, seed {args.dataset_seed}, model {engine.model_name}", flush=True)
+    requests = draw_requests(args.num_requests, args.dataset_seed, tuple(args.input_len), tuple(args.output_len),
+                             engine.model_config.vocab_size)
+    print(f"pagefleet bench throughput: {len(requests)} requests, input {args.input_len}, output {args.output_len}, "
+          f"seed {args.dataset_seed}, model {engine.model_name}", flush=True)
     ours = run_engine(engine, requests)
     result = {"pagefleet": ours}
     print(
         f"pagefleet    : {ours['requests_per_s']:.2f} req/s, {ours['output_tok_per_s']:.1f} output tok/s, "
-        f"{ours['total_tok_per_s']:.1f} total tok/s, KV waste {100 * ours['kv_waste']:.2f} %, preemptions {ours['preemptions']}, {ours['seconds']:.1f} s",
+        f"{ours['total_tok_per_s']:.1f} total tok/s, KV waste {100 * ours['kv_waste']:.2f} %, "
+        f"preemptions {ours['preemptions']}, {ours['seconds']:.1f} s",
         flush=True,
     )
     if args.baseline == "hf":
         hf = run_hf(engine.model_path, requests, args.hf_batch_size, str(engine.runner.device), engine.runner.dtype)
         result["transformers"] = hf
         result["ratio"] = ours["output_tok_per_s"] / hf["output_tok_per_s"]
-        print(f"transformers : {hf['output_tok_per_s']:.1f} useful output tok/s (static batches of {args.hf_batch_size}), {hf['seconds']:.1f} s", flush=True)
+        print(f"transformers : {hf['output_tok_per_s']:.1f} useful output tok/s "
+              f"(static batches of {args.hf_batch_size}), {hf['seconds']:.1f} s", flush=True)
         print(f"ratio        : {result['ratio']:.2f}x output tok/s", flush=True)
     if args.json_out:
         with open(args.json_out, "w") as f:

@@ -6,14 +6,15 @@ import argparse
 import json
 import sys
 
-from pagefleet.worker.entrypoints.engine_args import add_engine_arguments, engine_config_from_args
 from pagefleet.worker.core.sampling_params import SamplingParams
+from pagefleet.worker.entrypoints.engine_args import add_engine_arguments, engine_config_from_args
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_arguments(parser)
     parser.add_argument("prompts", nargs="*", help="prompts (plain completion); see --chat")
-    parser.add_argument("--chat", action="store_true", help="treat each prompt as one user message through the chat template")
+    parser.add_argument("--chat", action="store_true",
+                        help="treat each prompt as one user message through the chat template")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-p", type=float, default=1.0)
@@ -28,7 +29,8 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         params = SamplingParams(
-            n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens, stop=args.stop
+            n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens,
+            stop=args.stop,
         ).validate()
         prompts = args.prompts or ["Write one sentence about the sea."]
         config = engine_config_from_args(args)
@@ -43,7 +45,8 @@ def run(args: argparse.Namespace) -> int:
     for prompt, out in zip(prompts, outs):
         for c in out.outputs:
             if args.json:
-                print(json.dumps({"prompt": prompt, "index": c.index, "text": c.text, "finish_reason": c.finish_reason, "tokens": len(c.token_ids)}))
+                print(json.dumps({"prompt": prompt, "index": c.index, "text": c.text,
+                                  "finish_reason": c.finish_reason, "tokens": len(c.token_ids)}))
             else:
                 print(f"[{c.index}] {prompt!r} -> {c.text!r} ({c.finish_reason}, {len(c.token_ids)} tokens)")
     return 0
