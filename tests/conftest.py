@@ -48,3 +48,29 @@ def release_gpu_memory():
 
         gc.collect()
         sys.modules["torch"].cuda.empty_cache()
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Skipped tests by reason, at the very end: a test that skips on a fresh machine (a missing tool, no GPU)
+    shows here instead of passing unnoticed."""
+    by_reason: dict[str, list[str]] = {}
+    for report in terminalreporter.stats.get("skipped", []):
+        if isinstance(report.longrepr, tuple):
+            path, _, reason = report.longrepr
+        else:
+            path, reason = report.nodeid.split("::")[0], str(report.longrepr)
+        by_reason.setdefault(reason.removeprefix("Skipped: "), []).append(path)
+    if not by_reason:
+        return
+    terminalreporter.write_sep("=", "skipped tests by reason")
+    for reason, paths in sorted(by_reason.items(), key=lambda item: -len(item[1])):
+        files = sorted({_relative(Path(p), terminalreporter.config.rootpath) for p in paths})
+        where = ", ".join(files[:3]) + (f" and {len(files) - 3} more files" if len(files) > 3 else "")
+        terminalreporter.write_line(f"{len(paths):5d}  {reason}  ({where})")
+
+
+def _relative(path: Path, root: Path) -> str:
+    try:
+        return path.resolve().relative_to(root).as_posix()
+    except ValueError:  # outside the repository
+        return path.as_posix()
