@@ -12,7 +12,13 @@ from pagefleet.worker import LLM, SamplingParams
 
 @pytest.fixture(scope="module")
 def llm(tiny_models):
-    return LLM(str(tiny_models["llama"]), max_model_len=256, max_num_batched_tokens=64, max_num_seqs=16, num_gpu_blocks_override=48)
+    return LLM(
+        str(tiny_models["llama"]),
+        max_model_len=256,
+        max_num_batched_tokens=64,
+        max_num_seqs=16,
+        num_gpu_blocks_override=48,
+    )
 
 
 def assert_pool_consistent(engine) -> None:
@@ -30,8 +36,16 @@ def assert_pool_consistent(engine) -> None:
         assert (block.ref_count == 0) == (block.block_id in bm.free)
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-@given(ops=st.lists(st.tuples(st.sampled_from(["add", "add", "add", "abort", "step", "step"]), st.integers(0, 10**6)), min_size=5, max_size=40))
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
+@given(
+    ops=st.lists(
+        st.tuples(st.sampled_from(["add", "add", "add", "abort", "step", "step"]), st.integers(0, 10**6)),
+        min_size=5,
+        max_size=40,
+    )
+)
 def test_no_leaked_blocks_after_random_add_abort_finish(llm, ops):
     engine = llm.engine
     rng = random.Random(0)
@@ -40,7 +54,9 @@ def test_no_leaked_blocks_after_random_add_abort_finish(llm, ops):
         if op == "add":
             shared = [7] * 40 if x % 3 == 0 else []  # some prompts share a prefix, so cached blocks come and go
             prompt = shared + [rng.randrange(3, 40000) for _ in range(x % 70 + 1)]
-            params = SamplingParams(n=1 + x % 3, temperature=0.0 if x % 2 else 1.0, seed=x, max_tokens=1 + x % 20, ignore_eos=True)
+            params = SamplingParams(
+                n=1 + x % 3, temperature=0.0 if x % 2 else 1.0, seed=x, max_tokens=1 + x % 20, ignore_eos=True
+            )
             rid = f"r{i}"
             engine.add_request(rid, prompt, params)
             live.append(rid)
@@ -68,12 +84,20 @@ def distinct_prompt_blocks(engine, request_ids, prompt_len) -> int:
 
 
 def test_n16_samples_share_prompt_blocks(tiny_models):
-    llm = LLM(str(tiny_models["llama"]), max_model_len=256, max_num_seqs=32, enable_prefix_caching=False, num_gpu_blocks_override=200)
+    llm = LLM(
+        str(tiny_models["llama"]),
+        max_model_len=256,
+        max_num_seqs=32,
+        enable_prefix_caching=False,
+        num_gpu_blocks_override=200,
+    )
     engine = llm.engine
     prompt = list(range(100, 196))  # 96 tokens: exactly 6 full blocks
     engine.add_request("group", prompt, SamplingParams(n=16, temperature=1.0, seed=3, max_tokens=8, ignore_eos=True))
     for i in range(16):
-        engine.add_request(f"alone{i}", prompt, SamplingParams(temperature=1.0, seed=3 + i, max_tokens=8, ignore_eos=True))
+        engine.add_request(
+            f"alone{i}", prompt, SamplingParams(temperature=1.0, seed=3 + i, max_tokens=8, ignore_eos=True)
+        )
     engine.step()  # every prompt fits in one step's budget
     assert len(engine.requests["group"].seqs) == 16
     shared = distinct_prompt_blocks(engine, ["group"], 96)
@@ -92,7 +116,10 @@ def test_n16_samples_copy_on_write_and_match_single_runs(tiny_models):
     group = llm.generate(prompt, SamplingParams(n=16, temperature=1.0, seed=11, max_tokens=10, ignore_eos=True))[0]
     engine = llm.engine
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
-    singles = [llm.generate(prompt, SamplingParams(temperature=1.0, seed=11 + i, max_tokens=10, ignore_eos=True))[0] for i in range(16)]
+    singles = [
+        llm.generate(prompt, SamplingParams(temperature=1.0, seed=11 + i, max_tokens=10, ignore_eos=True))[0]
+        for i in range(16)
+    ]
     for i in range(16):
         assert group.outputs[i].token_ids == singles[i].outputs[0].token_ids, f"sample {i}"
     assert len({tuple(o.token_ids) for o in group.outputs}) > 1  # seeds differ, so samples differ
@@ -129,7 +156,9 @@ def test_finished_sequence_blocks_go_to_the_waiting_request(tiny_models):
     llm = LLM(str(tiny_models["llama"]), max_model_len=256, max_num_batched_tokens=512, num_gpu_blocks_override=20)
     engine = llm.engine
     engine.add_request("first", list(range(1000, 1240)), SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
-    engine.add_request("second", list(range(2000, 2100)), SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    engine.add_request(
+        "second", list(range(2000, 2100)), SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    )
     engine.step()
     first = engine.requests["first"].seqs[0]
     held_by_first = set(first.block_table)

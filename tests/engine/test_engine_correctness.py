@@ -10,7 +10,10 @@ MAX_NEW = 12
 
 def varied_prompts(tokenizer) -> list[list[int]]:
     """8 prompts from 3 to ~300 tokens; two share a long prefix so the prefix cache has something to find."""
-    base = "The history of the printing press begins in the fifteenth century, when movable type changed how books were made. "
+    base = (
+        "The history of the printing press begins in the fifteenth century, when movable type changed how books were "
+        "made. "
+    )
     texts = [
         "Hi",
         "The capital of France is",
@@ -34,7 +37,9 @@ def smollm2_expected(smollm2_path):
 
 def run_engine(path, prompts, **engine_args):
     llm = LLM(str(path), max_model_len=320, **engine_args)
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, min_tokens=MAX_NEW)  # HF min_new_tokens masks eos alike
+    params = SamplingParams(
+        temperature=0.0, max_tokens=MAX_NEW, min_tokens=MAX_NEW
+    )  # HF min_new_tokens masks eos alike
     outs = llm.generate(prompts, params)
     return llm, [o.outputs[0].token_ids for o in outs]
 
@@ -44,14 +49,22 @@ def test_smollm2_matches_transformers_with_small_chunks_and_preemption(smollm2_p
     prompts, expected = smollm2_expected
     assert max(len(p) for p in prompts) > 250 and min(len(p) for p in prompts) < 5
     # 16-token chunks; 20 blocks of 16 (320 slots) hold the longest request but not all eight at once
-    llm, got = run_engine(smollm2_path, prompts, max_num_batched_tokens=16, enable_prefix_caching=prefix_caching, num_gpu_blocks_override=20)
+    llm, got = run_engine(
+        smollm2_path,
+        prompts,
+        max_num_batched_tokens=16,
+        enable_prefix_caching=prefix_caching,
+        num_gpu_blocks_override=20,
+    )
     stats = llm.engine.stats()
     assert stats.num_preemptions_total > 0, "the KV budget was meant to force preemption"
     assert max(s.num_prefill_tokens for s in stats.recent_steps) <= 16
-    assert any(s.num_prefill_tokens and s.num_decode_tokens for s in stats.recent_steps), "no step mixed a prefill chunk with decodes"
+    assert any(s.num_prefill_tokens and s.num_decode_tokens for s in stats.recent_steps), (
+        "no step mixed a prefill chunk with decodes"
+    )
     if prefix_caching:
         assert stats.prefix_cache_hits_total > 0
-    for i, (g, e) in enumerate(zip(got, expected)):
+    for i, (g, e) in enumerate(zip(got, expected, strict=True)):
         assert g == e, f"prompt {i} ({len(prompts[i])} tokens) differs from transformers"
     assert llm.engine.block_manager.num_free_blocks == 20  # nothing leaked
 

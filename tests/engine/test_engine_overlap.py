@@ -5,13 +5,21 @@ from pagefleet.worker.engine.llm_engine import PLACEHOLDER
 
 
 def run(path, async_scheduling, prompts, params, partial=False, **engine_args):
-    llm = LLM(str(path), max_model_len=256, num_gpu_blocks_override=120, async_scheduling=async_scheduling, **engine_args)
+    llm = LLM(
+        str(path), max_model_len=256, num_gpu_blocks_override=120, async_scheduling=async_scheduling, **engine_args
+    )
     engine = llm.engine
     launched = []  # per overlapped launch: did it carry prompt tokens?
-    original = engine._launch_overlapped
-    engine._launch_overlapped = lambda batch, start: launched.append(sum(batch.num_new_tokens) > len(batch.seqs)) or original(batch, start)
+    original = engine._launch
+
+    def launch(batch, prev, overlap):
+        if overlap:
+            launched.append(sum(batch.num_new_tokens) > len(batch.seqs))
+        return original(batch, prev, overlap)
+
+    engine._launch = launch
     engine.emit_partial = partial
-    for i, (p, sp) in enumerate(zip(prompts, params)):
+    for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
         engine.add_request(str(i), p, sp)
     finals, seen = {}, []
     while engine.has_unfinished_requests():
@@ -26,13 +34,19 @@ def run(path, async_scheduling, prompts, params, partial=False, **engine_args):
 def test_overlapped_decode_gives_the_same_outputs(tiny_models):
     prompts = [list(range(100 + i, 130 + 5 * i)) for i in range(8)]
     params = [
-        SamplingParams(temperature=0.0 if i % 2 else 0.8, seed=i, max_tokens=12 + 3 * i, stop_token_ids=[1234] if i == 3 else [], n=2 if i == 5 else 1)
+        SamplingParams(
+            temperature=0.0 if i % 2 else 0.8,
+            seed=i,
+            max_tokens=12 + 3 * i,
+            stop_token_ids=[1234] if i == 3 else [],
+            n=2 if i == 5 else 1,
+        )
         for i in range(8)
     ]
     sync, _, none = run(tiny_models["llama"], False, prompts, params)
     overlapped, seen, launched = run(tiny_models["llama"], True, prompts, params, partial=True)
     assert not none and len(launched) > 10, "the overlapped path was not taken"
-    for a, b in zip(sync, overlapped):
+    for a, b in zip(sync, overlapped, strict=True):
         assert [o.token_ids for o in a.outputs] == [o.token_ids for o in b.outputs]
         assert [o.finish_reason for o in a.outputs] == [o.finish_reason for o in b.outputs]
     # streamed progress never shows a token that is still on the device, and only grows
@@ -50,13 +64,21 @@ def test_overlapped_steps_with_prompt_chunks_and_a_refilling_queue(tiny_models):
     carry prompt chunks overlap too, sequences that end by length leave the batch early, and nothing
     a client sees changes."""
     prompts = [list(range(300 + 7 * i, 300 + 7 * i + 5 + (37 * i) % 90)) for i in range(14)]
-    params = [SamplingParams(temperature=0.0 if i % 3 else 0.7, seed=i, max_tokens=1 + (i * 5) % 17, ignore_eos=i % 2 == 0,
-                             stop_token_ids=[777] if i == 4 else []) for i in range(14)]
+    params = [
+        SamplingParams(
+            temperature=0.0 if i % 3 else 0.7,
+            seed=i,
+            max_tokens=1 + (i * 5) % 17,
+            ignore_eos=i % 2 == 0,
+            stop_token_ids=[777] if i == 4 else [],
+        )
+        for i in range(14)
+    ]
     engine_args = dict(max_num_seqs=4, max_num_batched_tokens=24)
     sync, _, none = run(tiny_models["llama"], False, prompts, params, **engine_args)
     overlapped, _, launched = run(tiny_models["llama"], True, prompts, params, **engine_args)
     assert not none and sum(launched) > 5, "no overlapped step carried a prompt chunk"
-    for a, b in zip(sync, overlapped):
+    for a, b in zip(sync, overlapped, strict=True):
         assert [o.token_ids for o in a.outputs] == [o.token_ids for o in b.outputs]
         assert [o.finish_reason for o in a.outputs] == [o.finish_reason for o in b.outputs]
 
@@ -65,7 +87,9 @@ def test_abort_during_an_overlapped_step_frees_everything(tiny_models):
     llm = LLM(str(tiny_models["llama"]), max_model_len=256, num_gpu_blocks_override=120)
     engine = llm.engine
     for i in range(4):
-        engine.add_request(f"r{i}", list(range(200, 240)), SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True))
+        engine.add_request(
+            f"r{i}", list(range(200, 240)), SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
+        )
     for _ in range(6):
         engine.step()
     assert engine.pending is not None
@@ -79,11 +103,14 @@ def test_abort_during_an_overlapped_step_frees_everything(tiny_models):
 async def test_abort_from_outside_ends_the_stream_and_frees_blocks(tiny_models):
     import asyncio
 
-    from pagefleet.worker.engine.async_engine import AsyncLLMEngine
     from pagefleet.worker.core.config import EngineConfig
+    from pagefleet.worker.engine.async_engine import AsyncLLMEngine
 
-    engine = AsyncLLMEngine(EngineConfig(model=str(tiny_models["llama"]), max_model_len=256, num_gpu_blocks_override=64))
+    engine = AsyncLLMEngine(
+        EngineConfig(model=str(tiny_models["llama"]), max_model_len=256, num_gpu_blocks_override=64)
+    )
     try:
+
         async def consume():
             seen = 0
             async for _ in engine.generate(list(range(100, 120)), SamplingParams(max_tokens=200, ignore_eos=True), "x"):
@@ -99,7 +126,12 @@ async def test_abort_from_outside_ends_the_stream_and_frees_blocks(tiny_models):
             if engine.load()["kv_cache_usage"] == 0.0 and engine.load()["running"] == 0:
                 break
             await asyncio.sleep(0.02)
-        assert engine.load() == {"waiting": 0, "running": 0, "kv_cache_usage": 0.0, "max_num_seqs": 256,
-                                 "lora_adapters": {}}
+        assert engine.load() == {
+            "waiting": 0,
+            "running": 0,
+            "kv_cache_usage": 0.0,
+            "max_num_seqs": 256,
+            "lora_adapters": {},
+        }
     finally:
         engine.shutdown()

@@ -13,13 +13,13 @@ import queue
 import threading
 import time
 import traceback
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 from pagefleet.worker.core.config import EngineConfig
-from pagefleet.worker.engine.llm_engine import LLMEngine
-from pagefleet.worker.engine.stats import EngineStats
 from pagefleet.worker.core.outputs import RequestOutput
 from pagefleet.worker.core.sampling_params import SamplingParams
+from pagefleet.worker.engine.llm_engine import LLMEngine
+from pagefleet.worker.engine.stats import EngineStats
 
 log = logging.getLogger("pagefleet.engine")
 IDLE_WAIT_S = 0.05
@@ -107,8 +107,8 @@ class AsyncLLMEngine:
 
     def _deliver_all(self, items: list[tuple[str, object, bool]]) -> None:
         """(request id, item, final) to each stream, with one wake-up per event loop: call_soon_threadsafe
-        writes to the loop's self-pipe on every call, and at 64 streams a step made 64 such writes (and as
-        many GIL hand-offs). A final item closes its stream."""
+        writes to the loop's self-pipe on every call, so one call per stream makes 64 such writes a step at
+        64 streams (and as many GIL hand-offs). A final item closes its stream."""
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         for request_id, item, final in items:
             stream = self._streams.pop(request_id, None) if final else self._streams.get(request_id)

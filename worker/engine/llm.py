@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import itertools
-from typing import Sequence as Seq
+from collections.abc import Sequence as Seq
 
 from tqdm import tqdm
 
 from pagefleet.worker.core.config import EngineConfig
-from pagefleet.worker.engine.llm_engine import LLMEngine
 from pagefleet.worker.core.outputs import RequestOutput
 from pagefleet.worker.core.sampling_params import SamplingParams
+from pagefleet.worker.engine.llm_engine import LLMEngine
 
 
 class LLM:
@@ -53,17 +53,19 @@ class LLM:
     def unload_lora(self, name: str) -> None:
         self.engine.unload_lora(name)
 
-    def chat(self, conversations: list[dict] | list[list[dict]], params: SamplingParams | None = None, use_tqdm: bool = False):
+    def chat(self, conversations: list[dict] | list[list[dict]], params: SamplingParams | None = None,
+             use_tqdm: bool = False):
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
         params = params or SamplingParams()
         return self._run([self.chat_prompt_ids(c) for c in conversations], [params] * len(conversations), use_tqdm)
 
-    def _run(self, prompt_ids: list[list[int]], params: list[SamplingParams], use_tqdm: bool, lora_name: str | None = None) -> list[RequestOutput]:
-        for ids, p in zip(prompt_ids, params):  # check all before adding any, so a bad one adds nothing
+    def _run(self, prompt_ids: list[list[int]], params: list[SamplingParams], use_tqdm: bool,
+             lora_name: str | None = None) -> list[RequestOutput]:
+        for ids, p in zip(prompt_ids, params, strict=True):  # check all before adding any, so a bad one adds nothing
             self.engine.check_request(ids, p, lora_name)
         order = []
-        for ids, p in zip(prompt_ids, params):
+        for ids, p in zip(prompt_ids, params, strict=True):
             request_id = f"offline-{next(self._ids)}"
             order.append(request_id)
             self.engine.add_request(request_id, ids, p, lora_name)

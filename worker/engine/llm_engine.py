@@ -1,4 +1,5 @@
-"""LLMEngine: add / abort / step over the scheduler, block manager and model runner; LLM, the offline API."""
+"""LLMEngine: requests, LoRA adapters and outputs around the one step path (step.py) over the scheduler,
+block manager and model runner."""
 
 from __future__ import annotations
 
@@ -6,18 +7,18 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from pagefleet.worker.engine import stats as engine_stats
-from pagefleet.worker.executor.startup import compile_workers as precompile
 from pagefleet.worker.core.block_manager import BlockManager
 from pagefleet.worker.core.config import EngineConfig
-from pagefleet.worker.core.detokenizer import find_stop, text_decoder, update_text, visible_text
-from pagefleet.worker.engine.stats import EngineStats, StepRecord
-from pagefleet.worker.models.loader import load_model_config, load_tokenizer, resolve_model_path
+from pagefleet.worker.core.detokenizer import text_decoder, visible_text
 from pagefleet.worker.core.outputs import CompletionOutput, RequestOutput
-from pagefleet.worker.engine.overlap import PLACEHOLDER, OverlappedSteps, PendingStep
 from pagefleet.worker.core.sampling_params import SamplingParams
 from pagefleet.worker.core.scheduler import Scheduler
 from pagefleet.worker.core.sequence import Sequence
+from pagefleet.worker.engine import stats as engine_stats
+from pagefleet.worker.engine.stats import EngineStats, StepRecord
+from pagefleet.worker.engine.step import PLACEHOLDER, EngineStep, PendingStep
+from pagefleet.worker.executor.startup import compile_workers as precompile
+from pagefleet.worker.models.loader import load_model_config, load_tokenizer, resolve_model_path
 
 MAX_DEFAULT_MODEL_LEN = 8192
 
@@ -30,7 +31,7 @@ class Request:
     seqs: list[Sequence]
 
 
-class LLMEngine(OverlappedSteps):
+class LLMEngine(EngineStep):
     def __init__(self, config: EngineConfig):
         start = time.perf_counter()
         self.config = config.validate()
@@ -40,7 +41,8 @@ class LLMEngine(OverlappedSteps):
         limit = self.model_config.max_position_embeddings
         self.max_model_len = min(config.max_model_len or min(limit, MAX_DEFAULT_MODEL_LEN), limit)
         if config.max_model_len and config.max_model_len > limit:
-            raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's max_position_embeddings={limit}")
+            raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's "
+                             f"max_position_embeddings={limit}")
         # started before torch is imported, the tokenizer read and the weights loaded, all of which they overlap
         compile_workers = precompile.start(config, self.model_path, self.model_config, self.max_model_len)
         from pagefleet.worker.executor.model_runner import ModelRunner  # imports torch
@@ -52,9 +54,9 @@ class LLMEngine(OverlappedSteps):
         self.runner = ModelRunner(config, self.model_config, self.model_path, self.max_model_len, compile_workers)
         if self.runner.device.type == "cuda":
             t = self.runner.start_seconds
-            print(f"pagefleet: engine up in {time.perf_counter() - start:.1f}s: tokenizer {tokenizer_seconds:.1f}s, weights "
-                  f"{t['load']:.1f}s, then compile workers {t['workers']:.1f}s, warm-up {t['warmup']:.1f}s, graphs "
-                  f"{t['graphs']:.1f}s", flush=True)
+            print(f"pagefleet: engine up in {time.perf_counter() - start:.1f}s: tokenizer {tokenizer_seconds:.1f}s, "
+                  f"weights {t['load']:.1f}s, then compile workers {t['workers']:.1f}s, warm-up {t['warmup']:.1f}s, "
+                  f"graphs {t['graphs']:.1f}s", flush=True)
         self.eos_token_ids = set(self.model_config.eos_token_ids or [self.tokenizer.eos_token_id])
         self.runner.sampler.eos_token_ids = sorted(self.eos_token_ids)
         self.block_manager = BlockManager(self.runner.kv.num_blocks, config.block_size, config.enable_prefix_caching)
@@ -65,7 +67,7 @@ class LLMEngine(OverlappedSteps):
         self.generation_tokens_total = 0
         self.steps_total = 0
         self.recent_steps: deque[StepRecord] = deque(maxlen=2048)
-        self.pending: PendingStep | None = None  # an overlapped decode step not yet read back
+        self.pending: PendingStep | None = None  # an overlapped step not yet read back
 
     # ---- requests
 
@@ -85,7 +87,8 @@ class LLMEngine(OverlappedSteps):
                 f"(prompt plus at least one generated token must fit)"
             )
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, lora_name: str | None = None) -> None:
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    lora_name: str | None = None) -> None:
         self.check_request(prompt_token_ids, params, lora_name)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -133,91 +136,7 @@ class LLMEngine(OverlappedSteps):
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
-    # ---- the step
-
-    def step(self) -> list[RequestOutput]:
-        """One forward step. Steps overlap when nothing in them needs the host to see a token first:
-        step N+1 (decodes and prompt chunks alike) is launched before step N's tokens are read back,
-        so the host's scheduling and bookkeeping hide behind the GPU (outputs lag one step)."""
-        start = time.perf_counter()
-        outputs: list[RequestOutput] = []
-        batch = self.scheduler.schedule()
-        overlap = self.config.async_scheduling and bool(batch.seqs) and self._can_overlap(batch)
-        if self.pending is not None and not overlap:
-            outputs += self._resolve_pending()
-            self._drop_finished(batch)  # a token read just now may have ended one of them
-        if not batch.seqs:
-            return outputs
-        if overlap:
-            return outputs + self._launch_overlapped(batch, start)
-        logits = self.runner.run(batch)
-        sampling: list[Sequence] = []
-        rows: list[int] = []  # logits row of each sampling sequence (n samples share their prompt's row)
-        num_prefill = num_decode = 0
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            if seq.num_computed_tokens + 1 == seq.num_tokens and n == 1:
-                num_decode += 1
-            else:
-                num_prefill += n
-            seq.num_computed_tokens += n
-            self.block_manager.commit_full_blocks(seq)
-            if seq.num_computed_tokens < seq.num_tokens:
-                continue  # a prompt chunk that is not the last: nothing to sample yet
-            row = rows[-1] + 1 if rows else 0
-            sampling.append(seq)
-            rows.append(row)
-            if seq.pending_forks:
-                self._fork_samples(seq, sampling, rows, row)
-        touched: dict[str, Request] = {}
-        if sampling:
-            if len(rows) != logits.shape[0]:
-                logits = logits[rows]
-            tokens, logprobs = self.runner.sample(logits, sampling)
-            for seq, token, lp in zip(sampling, tokens, logprobs):
-                touched[seq.request_id] = self.requests[seq.request_id]
-                self._append_token(seq, token, lp)
-        self.steps_total += 1
-        self.recent_steps.append(StepRecord(len(batch.seqs), num_prefill, num_decode, time.perf_counter() - start, start))
-        return outputs + self._outputs(touched)
-
-    def _fork_samples(self, parent: Sequence, sampling: list[Sequence], rows: list[int], row: int) -> None:
-        """n > 1: the prompt is done; the other samples split off here, sharing every block."""
-        request = self.requests[parent.request_id]
-        for _ in range(parent.pending_forks):
-            index = len(request.seqs)
-            child = parent.fork(index, None if parent.seed is None else parent.seed + index)
-            self.block_manager.fork(parent, child)
-            self.scheduler.add_forked(parent, child)
-            request.seqs.append(child)
-            sampling.append(child)
-            rows.append(row)
-        parent.pending_forks = 0
-
-    def _append_token(self, seq: Sequence, token: int, logprob) -> None:
-        seq.token_ids.append(token)
-        self.generation_tokens_total += 1
-        if logprob is not None:
-            seq.logprobs.append(logprob)
-        p = seq.params
-        if p.detokenize:
-            piece = update_text(self.text_decoder, seq)
-            stop = find_stop(seq, piece) if p.stop else None
-        else:
-            stop = None
-        if stop is not None:
-            seq.finish_reason, seq.stop_reason = "stop", stop
-        elif seq.num_output_tokens >= p.min_tokens and not p.ignore_eos and token in self.eos_token_ids:
-            seq.finish_reason = "stop"
-        elif token in p.stop_token_ids and seq.num_output_tokens >= p.min_tokens:
-            seq.finish_reason, seq.stop_reason = "stop", token
-        elif (p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens) or seq.num_tokens >= self.max_model_len:
-            seq.finish_reason = "length"
-        if seq.finish_reason is not None:
-            self._finish(seq)
-
-    def _finish(self, seq: Sequence) -> None:
-        self.scheduler.finish(seq)  # its blocks go back to the pool now, before the next step
-        self.runner.sampler.forget(seq)
+    # ---- outputs
 
     def _outputs(self, touched: dict[str, Request]) -> list[RequestOutput]:
         outputs = []
@@ -237,10 +156,11 @@ class LLMEngine(OverlappedSteps):
             ids = seq.output_token_ids
             if ids and ids[-1] == PLACEHOLDER:  # still on the device: reported with the next step
                 ids = ids[:-1]
-            completions.append(
-                CompletionOutput(seq.index, text, ids, seq.finish_reason, list(seq.logprobs) if seq.logprobs is not None else None, seq.stop_reason)
-            )
-        return RequestOutput(request.request_id, request.prompt_token_ids, completions, finished, request.seqs[0].num_cached_tokens)
+            completions.append(CompletionOutput(seq.index, text, ids, seq.finish_reason,
+                                                list(seq.logprobs) if seq.logprobs is not None else None,
+                                                seq.stop_reason))
+        return RequestOutput(request.request_id, request.prompt_token_ids, completions, finished,
+                             request.seqs[0].num_cached_tokens)
 
     # ---- observability
 

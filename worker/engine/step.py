@@ -1,0 +1,222 @@
+"""The engine's one step path: schedule, launch (forward and sampling), resolve the sampled tokens.
+
+Every step launches; the launched step is resolved at once (depth 0: tokens and logprobs read back with
+`runner.sample`), or, when nothing in it needs the host to see a token first, on the next step
+(depth 1: `runner.sample_async`), after that step is already running on the device. A token still on the
+device stands in its sequence as PLACEHOLDER; the next step's decodes read it from the device, and
+resolving puts the real id in. Overlapped, the host's scheduling and bookkeeping hide behind the forward
+and outputs lag one step. A mixin of LLMEngine (llm_engine.py): it uses the engine's runner, scheduler,
+block manager, requests and counters, and its `_outputs`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from pagefleet.worker.core.detokenizer import find_stop, update_text
+from pagefleet.worker.core.outputs import RequestOutput
+from pagefleet.worker.core.scheduler import ScheduledBatch
+from pagefleet.worker.core.sequence import Sequence
+from pagefleet.worker.engine.stats import StepRecord
+
+if TYPE_CHECKING:
+    from pagefleet.worker.engine.llm_engine import Request
+
+PLACEHOLDER = -1  # an output token still on the device (overlapped step)
+
+
+@dataclass
+class PendingStep:
+    """A launched step's sampling sequences and their tokens: `tokens` is model_runner.PendingTokens while
+    they are on the device (overlapped), the host list with `logprobs` beside it once read back."""
+
+    seqs: list[Sequence]
+    tokens: object
+    logprobs: list | None = None
+    seq_ids: set[int] = field(default_factory=set)  # overlapped: whose token a later step may read on the device
+
+
+class EngineStep:
+    """LLMEngine's step: `step` and the bookkeeping every launched step shares."""
+
+    pending: PendingStep | None  # an overlapped step not yet read back
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, launch, resolve. Steps overlap when nothing in them needs the host to see a token first:
+        step N+1 (decodes and prompt chunks alike) is launched before step N's tokens are read back (depth 1);
+        any other step is resolved in the call that launched it (depth 0)."""
+        start = time.perf_counter()
+        batch = self.scheduler.schedule()
+        overlap = self.config.async_scheduling and bool(batch.seqs) and self._can_overlap(batch)
+        outputs: list[RequestOutput] = []
+        if self.pending is not None and not overlap:
+            prev, self.pending = self.pending, None
+            outputs = self._outputs(self._resolve(prev))
+            self._drop_finished(batch)  # a token read just now may have ended one of them
+        if not batch.seqs:
+            return outputs
+        prev = self.pending  # a step still on the device when this one overlaps it
+        launched, num_prefill, num_decode = self._launch(batch, prev, overlap)
+        if overlap:
+            self.pending = launched
+            self._record(batch, num_prefill, num_decode, start)
+            return self._outputs(self._resolve(prev)) if prev is not None else []
+        touched = self._resolve(launched) if launched is not None else {}
+        self._record(batch, num_prefill, num_decode, start)  # a synchronous step's time includes its tokens
+        return outputs + self._outputs(touched)
+
+    def _can_overlap(self, batch: ScheduledBatch) -> bool:
+        """True when no sequence that samples in this step needs its token on the host before the next
+        step: no logprobs, no penalties (they read the output so far), no samples to fork. Prompt chunks
+        that sample nothing never stand in the way; a preemption does (its victim may hold a pending token)."""
+        if batch.preempted:
+            return False
+        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            if seq.num_computed_tokens + n < seq.num_tokens:
+                continue
+            p = seq.params
+            if (seq.pending_forks or p.logprobs is not None or p.repetition_penalty != 1.0 or p.presence_penalty
+                    or p.frequency_penalty):
+                return False
+        return True
+
+    def _drop_finished(self, batch: ScheduledBatch) -> None:
+        """Take the sequences that finished since the batch was scheduled out of it."""
+        keep = [i for i, seq in enumerate(batch.seqs) if not seq.is_finished]
+        if len(keep) != len(batch.seqs):
+            batch.seqs = [batch.seqs[i] for i in keep]
+            batch.num_new_tokens = [batch.num_new_tokens[i] for i in keep]
+
+    def _launch(self, batch: ScheduledBatch, prev: PendingStep | None,
+                overlap: bool) -> tuple[PendingStep | None, int, int]:
+        """Run the batch and sample its sequences whose prompt is done: (the launched step, None when none
+        samples; prefill tokens; decode tokens)."""
+        feed = self._feed(batch, prev) if prev is not None else None
+        logits = self.runner.run(batch, feed)
+        sampling: list[Sequence] = []
+        num_prefill = num_decode = 0
+        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            fed = seq.token_ids[-1] == PLACEHOLDER
+            if seq.num_computed_tokens + 1 == seq.num_tokens and n == 1:
+                num_decode += 1
+            else:
+                num_prefill += n
+            seq.num_computed_tokens += n
+            if not fed:  # a block holding a pending token is hashed when the token is known
+                self.block_manager.commit_full_blocks(seq)
+            if seq.num_computed_tokens == seq.num_tokens:  # a prompt chunk that is not the last samples nothing
+                sampling.append(seq)
+        if not sampling:
+            return None, num_prefill, num_decode
+        if not overlap:
+            if any(seq.pending_forks for seq in sampling):
+                sampling, rows = self._fork_samples(sampling)
+                logits = logits[rows]
+            tokens, logprobs = self.runner.sample(logits, sampling)
+            return PendingStep(sampling, tokens, logprobs), num_prefill, num_decode
+        tokens = self.runner.sample_async(logits, sampling)
+        for seq in sampling:
+            seq.token_ids.append(PLACEHOLDER)  # the real id arrives when this step is resolved
+            p = seq.params
+            if ((p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens)
+                    or seq.num_tokens >= self.max_model_len):
+                # Its last token is on its way: leave the batch now so the next step does not run it and
+                # its blocks serve the queue (stream order keeps this step's writes ahead of their reuse).
+                self.scheduler.retire(seq)
+        return PendingStep(sampling, tokens, None, {s.seq_id for s in sampling}), num_prefill, num_decode
+
+    @staticmethod
+    def _feed(batch: ScheduledBatch, prev: PendingStep) -> tuple[np.ndarray, object]:
+        """Decodes over a token still on the device read it from there: (row in prev's tokens or -1 per
+        scheduled token, prev's tokens on the device)."""
+        row_of = {seq.seq_id: i for i, seq in enumerate(prev.seqs)}
+        rows = np.full(sum(batch.num_new_tokens), -1, dtype=np.int64)
+        offset = 0
+        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            if seq.token_ids[-1] == PLACEHOLDER:
+                rows[offset] = row_of[seq.seq_id]
+            offset += n
+        return rows, prev.tokens.device
+
+    def _fork_samples(self, sampling: list[Sequence]) -> tuple[list[Sequence], list[int]]:
+        """n > 1: a prompt is done; its other samples split off here, sharing every block and the prompt's
+        logits row. Returns the sampling sequences, each sample right behind its parent, and their rows."""
+        forked: list[Sequence] = []
+        rows: list[int] = []
+        for row, parent in enumerate(sampling):
+            forked.append(parent)
+            rows.append(row)
+            if not parent.pending_forks:
+                continue
+            request = self.requests[parent.request_id]
+            for _ in range(parent.pending_forks):
+                index = len(request.seqs)
+                child = parent.fork(index, None if parent.seed is None else parent.seed + index)
+                self.block_manager.fork(parent, child)
+                self.scheduler.add_forked(parent, child)
+                request.seqs.append(child)
+                forked.append(child)
+                rows.append(row)
+            parent.pending_forks = 0
+        return forked, rows
+
+    def _resolve(self, step: PendingStep) -> dict[str, Request]:
+        """Put a launched step's tokens into its sequences and check their finish rules; the requests touched."""
+        touched: dict[str, Request] = {}
+        if step.logprobs is not None:  # read back at launch: nothing ran since
+            for seq, token, logprob in zip(step.seqs, step.tokens, step.logprobs, strict=True):
+                touched[seq.request_id] = self.requests[seq.request_id]
+                self._append_token(seq, token, logprob)
+            return touched
+        relaunched = self.pending.seq_ids if self.pending is not None else set()
+        for seq, token in zip(step.seqs, step.tokens.read(), strict=True):
+            if seq.is_finished:  # finished (or aborted) while this step ran: its token is dropped
+                continue
+            again = seq.seq_id in relaunched  # a later step is already running over this token
+            at = seq.num_tokens - (2 if again else 1)
+            assert seq.token_ids[at] == PLACEHOLDER
+            del seq.token_ids[at:]
+            self._append_token(seq, token, None)  # stop checks and text see only real tokens
+            if again and not seq.is_finished:
+                seq.token_ids.append(PLACEHOLDER)
+            if not seq.is_finished:
+                self.block_manager.commit_full_blocks(seq)
+            touched[seq.request_id] = self.requests[seq.request_id]
+        return touched
+
+    def _append_token(self, seq: Sequence, token: int, logprob) -> None:
+        """A sampled token joins its sequence; the finish rules (stop string, eos, stop token, length) apply."""
+        seq.token_ids.append(token)
+        self.generation_tokens_total += 1
+        if logprob is not None:
+            seq.logprobs.append(logprob)
+        p = seq.params
+        if p.detokenize:
+            piece = update_text(self.text_decoder, seq)
+            stop = find_stop(seq, piece) if p.stop else None
+        else:
+            stop = None
+        if stop is not None:
+            seq.finish_reason, seq.stop_reason = "stop", stop
+        elif seq.num_output_tokens >= p.min_tokens and not p.ignore_eos and token in self.eos_token_ids:
+            seq.finish_reason = "stop"
+        elif token in p.stop_token_ids and seq.num_output_tokens >= p.min_tokens:
+            seq.finish_reason, seq.stop_reason = "stop", token
+        elif ((p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens)
+              or seq.num_tokens >= self.max_model_len):
+            seq.finish_reason = "length"
+        if seq.finish_reason is not None:
+            self._finish(seq)
+
+    def _finish(self, seq: Sequence) -> None:
+        self.scheduler.finish(seq)  # its blocks go back to the pool now, before the next step
+        self.runner.sampler.forget(seq)
+
+    def _record(self, batch: ScheduledBatch, num_prefill: int, num_decode: int, start: float) -> None:
+        self.steps_total += 1
+        self.recent_steps.append(StepRecord(len(batch.seqs), num_prefill, num_decode, time.perf_counter() - start,
+                                            start))
