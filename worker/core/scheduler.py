@@ -60,10 +60,15 @@ class Scheduler:
                 batch.num_new_tokens.append(n)
                 scheduled.add(seq.seq_id)
                 budget -= n
-        # 2. Waiting requests, oldest first, unless this step already had to preempt.
+        # 2. Waiting requests, oldest first, unless this step already had to preempt. The samples a running
+        # parent still forks count against the sequence cap: they join the batch once its prompt is done, and
+        # the decode graphs and the memory profile are sized for max_num_seqs rows.
+        num_seqs = None
         while self.waiting and budget > 0 and not batch.preempted:
             seq = self.waiting[0]
-            if len(self.running) + max(1, seq.pending_forks + 1) > self.max_num_seqs and self.running:
+            if num_seqs is None:
+                num_seqs = len(self.running) + sum(s.pending_forks for s in self.running)
+            if num_seqs + seq.pending_forks + 1 > self.max_num_seqs and self.running:
                 break
             if not seq.block_table:
                 self.block_manager.match_prefix(seq)
@@ -78,6 +83,7 @@ class Scheduler:
             batch.seqs.append(seq)
             batch.num_new_tokens.append(n)
             budget -= n
+            num_seqs += seq.pending_forks + 1
         batch.copies = self.block_manager.take_copies()
         _decodes_first(batch)
         return batch
