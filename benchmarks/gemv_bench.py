@@ -25,12 +25,13 @@ import time
 import traceback
 from functools import partial
 
+import torch
+import torch.nn.functional as F
+
 import pagefleet.kernels.arrivals as arrivals
 import pagefleet.kernels.fp8 as F8
 import pagefleet.kernels.gemv as G
 import pagefleet.kernels.reference as R
-import torch
-import torch.nn.functional as F
 
 SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
           "lm_head": (128256, 4096)}  # Llama-3.1-8B: name -> (N, K)

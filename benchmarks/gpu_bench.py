@@ -29,6 +29,7 @@ import traceback
 
 import torch
 from make_checkpoint import make_checkpoint  # benchmarks/ is on sys.path: it holds this script
+
 from pagefleet.worker import EngineConfig, SamplingParams
 from pagefleet.worker.core.sequence import SequenceStatus
 from pagefleet.worker.engine.llm_engine import LLMEngine

@@ -18,6 +18,8 @@ import time
 import traceback
 from functools import partial
 
+import torch
+
 import pagefleet.kernels.activation as ACT
 import pagefleet.kernels.attention as A
 import pagefleet.kernels.fp8 as FP8
@@ -26,7 +28,6 @@ import pagefleet.kernels.norm as NORM
 import pagefleet.kernels.prefill_attention as PA
 import pagefleet.kernels.reference as R
 import pagefleet.kernels.rope as ROPE
-import torch
 
 p = argparse.ArgumentParser()
 p.add_argument("out_dir", nargs="?", default=os.environ.get("OUT"), help="gets kernels.md and kernels_sweep.json")

@@ -7,6 +7,7 @@ import re
 
 import pytest
 import torch
+
 from pagefleet.kernels import pdl
 from pagefleet.worker import LLM, SamplingParams
 from pagefleet.worker.executor.graphs.decode import DecodeGraphs

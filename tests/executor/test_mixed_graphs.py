@@ -5,6 +5,7 @@ forward eagerly, since CPU has no CUDA graphs; tests/executor/test_engine_gpu.py
 import numpy as np
 import pytest
 import torch
+
 from pagefleet.worker import LLM, SamplingParams
 from pagefleet.worker.core.config import EngineConfig
 from pagefleet.worker.executor.graphs.manager import GRAPH_RESERVE_BYTES, reserve_bytes

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from pagefleet.worker.core.config import EngineConfig
 from pagefleet.worker.executor.startup import compile_workers as precompile
 from pagefleet.worker.models.loader import load_model_config

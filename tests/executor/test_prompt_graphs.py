@@ -5,6 +5,7 @@ has no CUDA graphs; tests/executor/test_engine_gpu.py captures real ones."""
 import numpy as np
 import pytest
 import torch
+
 from pagefleet.worker import LLM, SamplingParams
 from pagefleet.worker.core.config import EngineConfig
 from pagefleet.worker.executor.graphs.prompt import BUCKETS, MAX_SEQS, PromptGraphs, token_buckets

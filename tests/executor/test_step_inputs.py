@@ -4,6 +4,7 @@ rebuild, and their uploads' alignment."""
 import numpy as np
 import pytest
 import torch
+
 from pagefleet.worker import LLM, SamplingParams
 from pagefleet.worker.core.scheduler import ScheduledBatch, _decodes_first
 from pagefleet.worker.executor.step_inputs import upload_int32, upload_rows

@@ -4,6 +4,7 @@ shares split the cases without gaps or overlaps. On the H200, tests/executor/tes
 start-up no kernel compiles."""
 
 import torch
+
 from pagefleet.worker import LLM
 from pagefleet.worker.executor.startup.warmup import warm_up, warmup_cases
 from pagefleet.worker.models.layers import ops

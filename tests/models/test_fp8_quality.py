@@ -10,6 +10,7 @@ at 91.0 % of positions (bf16: 98.8 %); these 4 x 16 give 90.6 % and a mean |delt
 every channel's scale moved to its neighbour."""
 
 import pytest
+
 from pagefleet.worker import LLM, SamplingParams
 from pagefleet.worker.core.outputs import TokenLogprobs
 from pagefleet.worker.models.layers.fp8 import Fp8Linear, quantize_linears_fp8

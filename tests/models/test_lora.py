@@ -3,8 +3,8 @@ prefix-cache isolation; loading and unloading while the engine runs; clear error
 
 import pytest
 import torch
-from engine_models import hf_greedy
 
+from engine_models import hf_greedy
 from pagefleet.worker import LLM, SamplingParams
 
 peft = pytest.importorskip("peft")
@@ -178,6 +178,7 @@ def test_hot_swap_and_clear_errors(tiny_models, adapters, tmp_path):
 def test_server_serves_loads_and_unloads_adapters(tiny_models, adapters, tmp_path):
     import httpx
     import openai
+
     from entrypoints.test_server import AUTH, Server  # tests/ is on sys.path (tests/conftest.py)
 
     offline = LLM(str(tiny_models["llama"]), max_model_len=256, num_gpu_blocks_override=BLOCKS, enable_lora=True,

@@ -7,6 +7,7 @@ import os
 import time
 
 import torch
+
 from pagefleet.worker.core.config import EngineConfig
 from pagefleet.worker.executor.kv_cache import KVCache
 from pagefleet.worker.executor.memory import profile_peak_bytes, size_kv_cache

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+
 from pagefleet.worker.executor.graphs.manager import reserve_bytes
 from pagefleet.worker.executor.kv_cache import block_bytes
 from pagefleet.worker.models.layers.context import forward_context

@@ -12,6 +12,7 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
+
 from pagefleet.worker.core.scheduler import ScheduledBatch
 from pagefleet.worker.models.layers.paged_attention import AttentionMetadata
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 
 import torch
+
 from pagefleet.worker.executor.startup.compile_workers import share_of
 from pagefleet.worker.executor.step_inputs import StepInputs
 from pagefleet.worker.models.layers import ops

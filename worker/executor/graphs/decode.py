@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+
 from pagefleet.worker.executor.graphs.base import StepGraphs
 from pagefleet.worker.executor.step_inputs import StepInputs, feed_device_tokens, sampled_rows
 from pagefleet.worker.models.layers.context import forward_context

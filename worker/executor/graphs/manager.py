@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+
 from pagefleet.worker.executor.graphs.decode import DecodeGraphs
 from pagefleet.worker.executor.graphs.mixed import MixedGraphs
 from pagefleet.worker.executor.graphs.prompt import PromptGraphs

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+
 from pagefleet.worker.executor.graphs.base import StepGraphs
 from pagefleet.worker.executor.graphs.prompt import MAX_SEQS, ChunkInts, token_buckets
 from pagefleet.worker.executor.step_inputs import StepInputs, feed_device_tokens

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+
 from pagefleet.worker.executor.graphs.base import StepGraphs
 from pagefleet.worker.executor.step_inputs import StepInputs, feed_device_tokens
 from pagefleet.worker.models.layers.context import forward_context

@@ -222,6 +222,7 @@ def _work(spec: dict) -> None:
     last line on stderr gives its phases' seconds, for the start-up's summary."""
     start = time.perf_counter()
     import torch
+
     from pagefleet.worker.executor.model_runner import ModelRunner
     from pagefleet.worker.models.loader import load_model_config
 

@@ -12,6 +12,7 @@ import time
 
 import numpy as np
 import torch
+
 from pagefleet.worker.executor.startup.compile_workers import share_of
 from pagefleet.worker.executor.step_inputs import eager_metadata
 from pagefleet.worker.models.layers import ops
