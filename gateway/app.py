@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 
+from pagefleet.gateway import cold_start
 from pagefleet.gateway.config import ProxySettings, litellm_config, normalise_worker_url, write_config
 from pagefleet.gateway.routing import RoutingPolicy
 
@@ -51,6 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="requests in flight through the gateway before it answers 429 (no database needed)")
     parser.add_argument("--worker-api-key", default=os.environ.get("PAGEFLEET_WORKER_API_KEY"),
                         help="key the gateway sends to workers started with --api-key")
+    cold_start.add_arguments(parser)
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
 
 
@@ -113,6 +115,9 @@ async def serve(args: argparse.Namespace, settings: ProxySettings, policy: Routi
     _mount_metrics(proxy_server.app, prober)
     # Outermost first: readiness gate, key check (a refused key never counts), in-flight cap, LiteLLM.
     app = proxy_server.app
+    cold_starts = cold_start.ColdStarts.from_args(args, prober.metrics.registry) if args.kubernetes else None
+    if cold_starts is not None:  # innermost: the key check and the in-flight cap apply before a hold
+        app = cold_start.ColdStartHold(app, cold_starts)
     if args.max_parallel_requests:
         app = InFlightLimit(app, args.max_parallel_requests)
     # Without a database LiteLLM answers a wrong key with 400 "No connected db."; ours says 401.
@@ -132,7 +137,7 @@ async def serve(args: argparse.Namespace, settings: ProxySettings, policy: Routi
             raise SystemExit("pagefleet gateway: the LiteLLM proxy stopped during start-up")
         await asyncio.sleep(0.05)
     router = proxy_server.llm_router
-    fleet = Fleet(router, prober, settings.worker_api_key)
+    fleet = Fleet(router, prober, settings.worker_api_key, cold_starts)
     for model_name, url in ((args.served_model_name, u) for u in map(normalise_worker_url, args.worker)):
         fleet.members.add((model_name, url))  # already in the router from the config file
         prober.add(url)
