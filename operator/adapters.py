@@ -12,8 +12,9 @@ unload; the next sweep tries again. The gateway sends an adapter's requests only
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import httpx
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence
 
 import httpx
 
@@ -55,7 +55,8 @@ def decide(
         # Nothing to measure (pods still loading, or none answered): only enforce the bounds.
         reason = _reason(bounded, current, "NoLoadSample")
         return Decision(bounded, current, None, bounded, None, reason,
-                        f"no ready pod answered /load; replicas {current} -> {bounded} (bounds [{min_replicas}, {max_replicas}])"
+                        f"no ready pod answered /load; replicas {current} -> {bounded} "
+                        f"(bounds [{min_replicas}, {max_replicas}])"
                         if bounded != current else "no ready pod answered /load; holding")
     total = sum(waiting)
     average = total / len(waiting)
@@ -93,7 +94,7 @@ async def probe_waiting(endpoints: Iterable[str], timeout: float = 2.0) -> dict[
     async with httpx.AsyncClient(timeout=timeout, trust_env=False) as client:
         answers = await asyncio.gather(*(client.get(f"{url}/load") for url in endpoints), return_exceptions=True)
     waiting: dict[str, int] = {}
-    for url, answer in zip(endpoints, answers):
+    for url, answer in zip(endpoints, answers, strict=True):
         if isinstance(answer, BaseException) or answer.status_code != 200:
             continue
         try:

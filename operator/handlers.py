@@ -9,7 +9,7 @@ from typing import Any
 
 import kopf
 
-from pagefleet.operator import kube, resources, sweep
+from pagefleet.operator import kube, resources, scale_to_zero, sweep
 
 GROUP, VERSION, PLURAL = resources.GROUP, resources.VERSION, resources.PLURAL
 
@@ -87,3 +87,12 @@ def reconcile(body: kopf.Body, patch: kopf.Patch, logger: logging.Logger, **_: A
                 ", ".join(f"{m['kind']}/{m['metadata']['name']}" for m in manifests), body.metadata.get("generation"))
     patch.status["observedGeneration"] = body.metadata.get("generation")
     patch.status.update(sweep.observed_status(client, _plain(body)))
+
+
+@kopf.on.field(GROUP, VERSION, PLURAL, field="spec.replicas")
+def scaled_from_zero(old: Any, new: Any, body: kopf.Body, **_: Any) -> None:
+    """An Event when a service that scales to zero leaves 0 replicas (the gateway asks for 1 when a request
+    for it is held; `kubectl scale` works too); the ScaledToZero Event is the sweep's."""
+    if old == 0 and new and scale_to_zero.enabled(body.spec):
+        message = f"spec.replicas 0 -> {new} while idle: starting a worker"
+        kube.shared().post_event(_plain(body), "Normal", scale_to_zero.SCALED_FROM_ZERO, message)

@@ -9,7 +9,8 @@ from __future__ import annotations
 import datetime
 import ssl
 import threading
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 from urllib.parse import quote
 
 import httpx
@@ -52,7 +53,7 @@ class Kube:
         self.http = httpx.Client(base_url=configuration.host, verify=context, timeout=30.0)
 
     @classmethod
-    def from_environment(cls) -> "Kube":
+    def from_environment(cls) -> Kube:
         configuration = Configuration()
         try:
             kube_config.load_incluster_config(client_configuration=configuration)

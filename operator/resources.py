@@ -6,10 +6,17 @@ so that what the operator applies can be tested without a cluster.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
-from pagefleet.operator.worker_pod import (WORKER_PORT, lora_adapter_names, termination_grace_seconds, volumes,
-                                           worker_container)
+from pagefleet.operator import scale_to_zero
+from pagefleet.operator.worker_pod import (
+    WORKER_PORT,
+    lora_adapter_names,
+    termination_grace_seconds,
+    volumes,
+    worker_container,
+)
 
 GROUP = "pagefleet.io"
 VERSION = "v1alpha1"
@@ -22,6 +29,9 @@ INSTANCE_LABEL = f"{GROUP}/inference-service"
 SERVED_MODEL_ANNOTATION = f"{GROUP}/served-model-name"
 # The adapters' names, comma-separated: the gateway routes them to the same workers as the model.
 LORA_ADAPTERS_ANNOTATION = f"{GROUP}/lora-adapters"
+# "true" when spec.autoscaling allows 0 replicas: the gateway then holds a request for the model while it has
+# no worker and scales the InferenceService to 1 (gateway/cold_start.py).
+SCALE_TO_ZERO_ANNOTATION = f"{GROUP}/scale-to-zero"
 FIELD_MANAGER = "pagefleet-operator"
 
 
@@ -111,7 +121,8 @@ def deployment(body: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def service(body: Mapping[str, Any]) -> dict[str, Any]:
-    """The Service in front of the ready workers; its EndpointSlices (which copy its labels) list them for the gateway."""
+    """The Service in front of the ready workers; its EndpointSlices (which copy its labels) list them for the
+    gateway."""
     meta = body["metadata"]
     name = meta["name"]
     return {
@@ -137,6 +148,8 @@ def service_annotations(spec: Mapping[str, Any]) -> dict[str, str]:
     annotations = {SERVED_MODEL_ANNOTATION: spec["model"]["name"]}
     if lora_adapter_names(spec):
         annotations[LORA_ADAPTERS_ANNOTATION] = ",".join(lora_adapter_names(spec))
+    if scale_to_zero.enabled(spec):
+        annotations[SCALE_TO_ZERO_ANNOTATION] = "true"
     return annotations
 
 

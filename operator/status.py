@@ -6,15 +6,19 @@ Pure: the observations come in as plain dicts (as the API server returns them), 
 from __future__ import annotations
 
 import datetime
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any
+
+from pagefleet.operator import scale_to_zero
 
 READY = "Ready"
 MODEL_SOURCE_AVAILABLE = "ModelSourceAvailable"
 PROGRESSING = "Progressing"
+IDLE = "Idle"  # the condition, only with scale to zero: True while at 0 replicas
 
-PENDING, LOADING, PROGRESSING_PHASE, READY_PHASE, FAILED, STOPPED = (
-    "Pending", "Loading", "Progressing", "Ready", "Failed", "Stopped")
+PENDING, LOADING, PROGRESSING_PHASE, READY_PHASE, FAILED, STOPPED, IDLE_PHASE = (
+    "Pending", "Loading", "Progressing", "Ready", "Failed", "Stopped", "Idle")
 
 
 @dataclass(frozen=True)
@@ -55,7 +59,8 @@ def crash_looping(pods: Sequence[Mapping[str, Any]]) -> str | None:
             if waiting.get("reason") == "CrashLoopBackOff":
                 last = ((cs.get("lastState") or {}).get("terminated") or {})
                 detail = last.get("message") or last.get("reason") or waiting.get("message") or ""
-                return f"pod {pod['metadata']['name']} keeps crashing (restarts: {cs.get('restartCount', 0)}) {detail}".strip()
+                restarts = cs.get("restartCount", 0)
+                return f"pod {pod['metadata']['name']} keeps crashing (restarts: {restarts}) {detail}".strip()
     return None
 
 
@@ -91,10 +96,11 @@ def compute(body: Mapping[str, Any], deployment: Mapping[str, Any] | None, pods:
     crash = crash_looping(live)
     done = rollout_complete(deployment, desired) and len(live) == desired
 
+    to_zero = scale_to_zero.enabled(body["spec"])
     if source.available is False:
         phase = FAILED
     elif desired == 0:
-        phase = STOPPED
+        phase = IDLE_PHASE if to_zero else STOPPED
     elif ready == 0:
         phase = LOADING if live else PENDING
     elif done and ready == desired:
@@ -109,7 +115,8 @@ def compute(body: Mapping[str, Any], deployment: Mapping[str, Any] | None, pods:
     elif crash:
         ready_cond = (False, "WorkerCrashLoop", crash)
     elif desired == 0:
-        ready_cond = (False, "ScaledToZero", "spec.replicas is 0")
+        ready_cond = (False, "ScaledToZero", "idle at 0 replicas: a request at the gateway starts a worker"
+                      if to_zero else "spec.replicas is 0")
     elif live:
         ready_cond = (False, "WorkersLoading", f"{len(live)} worker(s) starting, none ready yet")
     else:
@@ -130,13 +137,43 @@ def compute(body: Mapping[str, Any], deployment: Mapping[str, Any] | None, pods:
         condition(previous, MODEL_SOURCE_AVAILABLE, source.available, source.reason, source.message, generation, now),
         condition(previous, PROGRESSING, *progressing, generation, now),
     ]
-    return {
+    if to_zero:
+        after = body["spec"]["autoscaling"].get("scaleToZeroAfterSeconds")
+        idle = ((True, scale_to_zero.SCALED_TO_ZERO, "no worker runs; the gateway holds the next request and "
+                 "scales to 1") if desired == 0 else
+                (False, "Serving", f"{desired} worker(s) wanted; 0 after {after}s without a request"))
+        conditions.append(condition(previous, IDLE, *idle, generation, now))
+    observed = {
         "phase": phase,
         "replicas": len(live),
         "readyReplicas": ready,
         "endpoints": urls,
         "conditions": conditions,
     }
+    started = last_start_seconds(live)
+    if started is not None:
+        observed["lastStartSeconds"] = started
+    return observed
+
+
+def epoch(stamp: str | None) -> float | None:
+    if not stamp:
+        return None
+    return datetime.datetime.strptime(stamp, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=datetime.timezone.utc).timestamp()
+
+
+def last_start_seconds(pods: Sequence[Mapping[str, Any]]) -> int | None:
+    """Seconds from creation to Ready of the newest ready pod: what a start from zero costs, scheduling and
+    the worker's own start-up together (the API's timestamps have whole seconds). None without a ready pod."""
+    starts = []
+    for pod in pods:
+        ready = next((c for c in pod.get("status", {}).get("conditions") or []
+                      if c.get("type") == "Ready" and c.get("status") == "True"), None)
+        created = epoch(pod.get("metadata", {}).get("creationTimestamp"))
+        became_ready = epoch((ready or {}).get("lastTransitionTime"))
+        if created is not None and became_ready is not None:
+            starts.append((created, int(became_ready - created)))
+    return max(starts)[1] if starts else None
 
 
 def changed_fields(current: Mapping[str, Any], wanted: Mapping[str, Any]) -> dict[str, Any]:
@@ -165,7 +202,8 @@ def check_source(model: Mapping[str, Any], claim: Mapping[str, Any] | None, moun
     if "pvc" in model:
         name = model["pvc"]["claimName"]
         if claim is None:
-            return SourceCheck(False, "ClaimNotFound", f"PersistentVolumeClaim {name!r} does not exist in this namespace")
+            return SourceCheck(False, "ClaimNotFound",
+                               f"PersistentVolumeClaim {name!r} does not exist in this namespace")
         phase = (claim.get("status") or {}).get("phase")
         if phase == "Bound":
             return SourceCheck(True, "ClaimBound", f"PersistentVolumeClaim {name!r} is bound")

@@ -12,9 +12,10 @@ import asyncio
 import datetime
 import logging
 import time
-from typing import Any, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
-from pagefleet.operator import adapters, autoscaler, kube, resources, status, worker_pod
+from pagefleet.operator import adapters, autoscaler, kube, resources, scale_to_zero, status, worker_pod
 
 log = logging.getLogger("pagefleet.operator")
 
@@ -52,8 +53,9 @@ class Sweeper:
         self.status_interval = status_interval
         self.autoscale_interval = autoscale_interval
         self.last_autoscale: dict[str, float] = {}  # uid -> monotonic time of its last autoscaling pass
+        self.steps_seen: dict[str, dict[str, int]] = {}  # uid -> worker URL -> engine steps at the last idle probe
 
-    async def run_forever(self, bodies: "callable[[], Iterable[Mapping[str, Any]]]") -> None:
+    async def run_forever(self, bodies: Callable[[], Iterable[Mapping[str, Any]]]) -> None:
         while True:
             started = time.monotonic()
             await self.sweep(list(bodies()))
@@ -63,6 +65,7 @@ class Sweeper:
         live = {b["metadata"]["uid"] for b in bodies}
         for uid in set(self.last_autoscale) - live:
             del self.last_autoscale[uid]
+            self.steps_seen.pop(uid, None)
         for body in bodies:
             if body["metadata"].get("deletionTimestamp"):
                 continue
@@ -113,28 +116,44 @@ class Sweeper:
         return report
 
     async def autoscale(self, body: Mapping[str, Any]) -> autoscaler.Decision:
-        """Probes each ready pod's /load and sets spec.replicas to keep the average queue near the target."""
+        """Probes each ready pod's /load and sets spec.replicas to keep the average queue near the target;
+        with scale to zero, also goes to 0 replicas once no request has run for scaleToZeroAfterSeconds."""
         meta, spec = body["metadata"], body["spec"]
         name, namespace = meta["name"], meta["namespace"]
-        waiting = await autoscaler.probe_waiting(await self.ready_workers(namespace, name))
         settings = spec["autoscaling"]
         previous = dict((body.get("status") or {}).get("autoscaling") or {})
-        decision = autoscaler.decide(
-            current=int(spec.get("replicas", 1)),
-            waiting=list(waiting.values()),
-            target=float(settings.get("targetQueueDepth", 4)),
-            min_replicas=int(settings.get("minReplicas", 1)),
-            max_replicas=int(settings["maxReplicas"]),
-            scale_down_delay=float(settings.get("scaleDownDelaySeconds", 300)),
-            now=time.time(),
-            low_since=_epoch(previous.get("lowLoadSince")),
-        )
+        current = int(spec.get("replicas", 1))
+        to_zero = scale_to_zero.enabled(spec)
+        idle_since = None
+        if to_zero and current == 0:
+            # Nothing runs to probe; waking is the gateway's (it sets spec.replicas through the scale subresource).
+            self.steps_seen.pop(meta["uid"], None)
+            decision = autoscaler.Decision(0, 0, None, 0, None, scale_to_zero.AT_ZERO,
+                                           "0 replicas; the gateway scales to 1 on the next request for the model")
+        else:
+            urls = await self.ready_workers(namespace, name)
+            waiting = await autoscaler.probe_waiting(urls)
+            decision = autoscaler.decide(
+                current=current,
+                waiting=list(waiting.values()),
+                target=float(settings.get("targetQueueDepth", 4)),
+                # Load alone never empties the service: going to zero is the idle decision's.
+                min_replicas=max(1, int(settings.get("minReplicas", 1))),
+                max_replicas=int(settings["maxReplicas"]),
+                scale_down_delay=float(settings.get("scaleDownDelaySeconds", 300)),
+                now=time.time(),
+                low_since=status.epoch(previous.get("lowLoadSince")),
+            )
+            if to_zero:
+                decision, idle_since = await self.idle(body, decision, urls, status.epoch(previous.get("idleSince")))
         report: dict[str, Any] = {
             "averageQueueDepth": round(decision.average, 3) if decision.average is not None else None,
             "desiredReplicas": decision.replicas,
             "lowLoadSince": _iso(decision.low_since),
             "lastDecision": f"{decision.reason}: {decision.message}",
         }
+        if to_zero:
+            report["idleSince"] = _iso(idle_since)
         same_decision = previous.get("lastDecision", "").startswith(decision.reason + ":")
         if decision.changed:
             await asyncio.to_thread(self.client.scale, namespace, name, decision.replicas)
@@ -142,18 +161,31 @@ class Sweeper:
             await asyncio.to_thread(self.client.post_event, body, "Normal", decision.reason, decision.message)
             await asyncio.to_thread(self.client.patch_status, namespace, name,
                                     {"autoscaling": report, "lastScaleTime": status.now_iso()})
-        elif not same_decision or any(previous.get(k) != report[k] for k in ("desiredReplicas", "lowLoadSince")):
+        elif not same_decision or any(previous.get(k) != report.get(k)
+                                      for k in ("desiredReplicas", "lowLoadSince", "idleSince")):
             # A changing average alone is not worth a write every few seconds.
             if not same_decision:
                 log.info("%s/%s autoscaler %s: %s", namespace, name, decision.reason, decision.message)
             await asyncio.to_thread(self.client.patch_status, namespace, name, {"autoscaling": report})
         return decision
 
-
-def _epoch(stamp: str | None) -> float | None:
-    if not stamp:
-        return None
-    return datetime.datetime.strptime(stamp, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=datetime.timezone.utc).timestamp()
+    async def idle(self, body: Mapping[str, Any], decision: autoscaler.Decision, urls: list[str],
+                   idle_since: float | None) -> tuple[autoscaler.Decision, float | None]:
+        """The idle step after the load's: reads the workers' step counters and, past scaleToZeroAfterSeconds
+        without a request, turns the decision into 0 replicas. Returns the decision and the idle start."""
+        uid = body["metadata"]["uid"]
+        samples = await scale_to_zero.probe(urls)
+        active = scale_to_zero.activity(samples, self.steps_seen.get(uid, {}))
+        self.steps_seen[uid] = {url: s.steps for url, s in samples.items()}
+        idle = scale_to_zero.decide(current=decision.current, active=active, now=time.time(), idle_since=idle_since,
+                                    after=float(body["spec"]["autoscaling"]["scaleToZeroAfterSeconds"]))
+        if decision.changed or idle.reason in (scale_to_zero.ACTIVE, scale_to_zero.NO_SAMPLE):
+            return decision, idle.idle_since
+        if idle.replicas == 0:
+            self.steps_seen.pop(uid, None)
+        return autoscaler.Decision(idle.replicas, decision.current, decision.average, idle.replicas,
+                                   None if idle.replicas == 0 else decision.low_since, idle.reason,
+                                   idle.message), idle.idle_since
 
 
 def _iso(epoch: float | None) -> str | None:

@@ -30,7 +30,8 @@ def test_names_match_what_the_operator_watches():
     assert doc["spec"]["group"] == resources.GROUP
     assert doc["spec"]["scope"] == "Namespaced"
     names = doc["spec"]["names"]
-    assert (names["kind"], names["plural"], names["shortNames"]) == ("InferenceService", "inferenceservices", ["infsvc"])
+    assert (names["kind"], names["plural"], names["shortNames"]) == (
+        "InferenceService", "inferenceservices", ["infsvc"])
     assert version()["name"] == resources.VERSION and version()["served"] and version()["storage"]
 
 
@@ -69,16 +70,29 @@ def test_spec_fields_and_rules():
     assert (fraction["minimum"], fraction["exclusiveMinimum"], fraction["maximum"]) == (0, True, 1)
     autoscaling = spec["properties"]["autoscaling"]
     assert autoscaling["x-kubernetes-validations"][0]["rule"] == "self.minReplicas <= self.maxReplicas"
-    assert set(autoscaling["properties"]) == {"minReplicas", "maxReplicas", "targetQueueDepth", "scaleDownDelaySeconds"}
+    assert set(autoscaling["properties"]) == {"minReplicas", "maxReplicas", "targetQueueDepth", "scaleDownDelaySeconds",
+                                              "scaleToZeroAfterSeconds"}
     # Every rule carries a message that names the field, so `kubectl apply` explains the refusal.
     rules = _all_rules(schema())
     assert len(rules) >= 4 and all("spec." in r["message"] for r in rules)
 
 
+def test_scale_to_zero_fields_and_rules():
+    autoscaling = schema()["properties"]["spec"]["properties"]["autoscaling"]
+    props = autoscaling["properties"]
+    assert (props["minReplicas"]["minimum"], props["minReplicas"]["default"]) == (0, 1)
+    assert props["scaleToZeroAfterSeconds"]["minimum"] == 1 and "default" not in props["scaleToZeroAfterSeconds"]
+    rules = {r["rule"]: r["message"] for r in autoscaling["x-kubernetes-validations"]}
+    assert "needs minReplicas: 0" in rules["!has(self.scaleToZeroAfterSeconds) || self.minReplicas == 0"]
+    assert "needs scaleToZeroAfterSeconds" in rules["self.minReplicas > 0 || has(self.scaleToZeroAfterSeconds)"]
+
+
 def test_status_fields():
     status = schema()["properties"]["status"]["properties"]
     assert set(status) >= {"phase", "replicas", "readyReplicas", "observedGeneration", "endpoints", "conditions",
-                           "lastScaleTime", "selector"}
+                           "lastScaleTime", "selector", "lastStartSeconds"}
+    assert "idleSince" in status["autoscaling"]["properties"]
+    assert "Idle" in status["phase"]["description"]
 
 
 def test_schema_is_structural():

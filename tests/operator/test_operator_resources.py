@@ -65,7 +65,8 @@ def test_kernel_cache_is_an_emptydir_unless_spec_names_a_node_directory():
     assert {"name": "TRITON_CACHE_DIR", "value": "/var/cache/pagefleet/triton"} in worker["env"]
     dep = resources.deployment(inference_service(kernelCache={"hostPath": {"path": "/mnt/nvme/pagefleet-kernels"}}))
     volume = next(v for v in dep["spec"]["template"]["spec"]["volumes"] if v["name"] == "kernel-cache")
-    assert volume == {"name": "kernel-cache", "hostPath": {"path": "/mnt/nvme/pagefleet-kernels", "type": "DirectoryOrCreate"}}
+    assert volume == {"name": "kernel-cache",
+                      "hostPath": {"path": "/mnt/nvme/pagefleet-kernels", "type": "DirectoryOrCreate"}}
     mount = next(m for m in container(dep)["volumeMounts"] if m["name"] == "kernel-cache")
     assert not mount.get("readOnly")  # the one volume the worker writes
 
@@ -182,7 +183,8 @@ def test_service_fronts_the_worker_port():
 
 def test_node_selector_and_tolerations_pass_through():
     tol = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
-    pod = resources.deployment(inference_service(nodeSelector={"gpu": "h200"}, tolerations=tol))["spec"]["template"]["spec"]
+    dep = resources.deployment(inference_service(nodeSelector={"gpu": "h200"}, tolerations=tol))
+    pod = dep["spec"]["template"]["spec"]
     assert pod["nodeSelector"] == {"gpu": "h200"}
     assert pod["tolerations"] == tol
 
@@ -222,8 +224,9 @@ def test_operator_imports_no_torch():
 
 
 def test_lora_adapters_mount_read_only_and_stay_out_of_the_pod_template():
+    listed = [{"name": "sql", "path": "sql-v3"}, {"name": "chat-de", "path": "de/v1"}]
     body = inference_service(lora={"pvc": {"claimName": "adapters", "subPath": "team-a"}, "maxLoraRank": 32,
-                                   "adapters": [{"name": "sql", "path": "sql-v3"}, {"name": "chat-de", "path": "de/v1"}]})
+                                   "adapters": listed})
     dep = resources.deployment(body)
     pod = dep["spec"]["template"]["spec"]
     assert {"name": "lora", "persistentVolumeClaim": {"claimName": "adapters", "readOnly": True}} in pod["volumes"]
@@ -241,7 +244,8 @@ def test_lora_adapters_mount_read_only_and_stay_out_of_the_pod_template():
 
 def test_lora_host_path_source_and_slots_for_every_listed_adapter():
     adapters_ = [{"name": f"a{i}", "path": f"a{i}"} for i in range(6)]
-    dep = resources.deployment(inference_service(lora={"hostPath": {"path": "/mnt/nvme/adapters"}, "adapters": adapters_}))
+    source = {"hostPath": {"path": "/mnt/nvme/adapters"}}
+    dep = resources.deployment(inference_service(lora={**source, "adapters": adapters_}))
     pod = dep["spec"]["template"]["spec"]
     assert {"name": "lora", "hostPath": {"path": "/mnt/nvme/adapters", "type": "Directory"}} in pod["volumes"]
     mount = next(m for m in container(dep)["volumeMounts"] if m["name"] == "lora")
