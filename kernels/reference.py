@@ -273,3 +273,80 @@ def fp8_gemm(xq, x_scale, w_fp8, w_scale, bias=None, out_dtype=torch.bfloat16):
     if bias is not None:
         y = y + bias.float()
     return y.to(out_dtype)
+
+
+# ---------------------------------------------------------------- sampling (the semantics of kernels/sampling.py)
+
+# The row record: int32 [rows, >= SAMPLE_FIELDS], float fields as fp32 bit patterns. inv_temperature 0: a greedy
+# row (left alone); top_k 0: off; top_p 1: off; log_min_p -inf: off; seed as two uint32 words; position: the
+# index of the output token being drawn.
+INV_TEMPERATURE, TOP_K, TOP_P, LOG_MIN_P, SEED_LO, SEED_HI, POSITION = range(7)
+SAMPLE_FIELDS = 8
+_M32 = 0xFFFFFFFF
+
+
+def _mul32(h, c: int):
+    """(h * c) mod 2**32 for h in [0, 2**32) held in int64, without overflowing int64."""
+    return (h * (c & 0xFFFF) + (((h * (c >> 16)) & 0xFFFF) << 16)) & _M32
+
+
+def _fmix32(h):
+    h = h ^ (h >> 16)
+    h = _mul32(h, 0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = _mul32(h, 0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def counter_uniform(seed_lo, seed_hi, position, tokens):
+    """U(0, 1) fp32 keyed by (seed, output position, token id), bit for bit the kernel's: seed_lo, seed_hi,
+    position int [R] (uint32 bit patterns), tokens int [V] -> [R, V]."""
+    seed_lo, seed_hi, position = (t.long()[:, None] & _M32 for t in (seed_lo, seed_hi, position))
+    a = _fmix32((_mul32(position, 0x9E3779B9) + 0x632BE5AB) & _M32)
+    a = _fmix32(a ^ seed_hi)
+    k1 = _fmix32(a ^ seed_lo)
+    k2 = _fmix32((k1 + 0x7F4A7C15) & _M32)
+    h = _fmix32(_fmix32((tokens.long()[None, :] + k1) & _M32) ^ k2)
+    return ((h >> 8).float() + 0.5) * 2.0**-24
+
+
+def sample(logits, params, out=None):
+    """logits [R, V], params int32 [R, >= SAMPLE_FIELDS] -> int64 [R]: for each row with inv_temperature > 0,
+    x = logits * inv_temperature in fp32; top-k keeps x >= the k-th largest x (ties at it all stay); top-p keeps,
+    of those, each token whose strictly larger survivors hold less than top_p of the survivors' mass (the
+    smallest set reaching top_p, ties at its edge kept, the top token always); min-p keeps x - max >= log_min_p;
+    then argmax over the kept of x - log(-log u), u = counter_uniform (the exponential race, as Gumbel-max).
+    Greedy rows of `out` are left as they are."""
+    R, V = logits.shape
+    if out is None:
+        out = torch.empty(R, dtype=torch.int64, device=logits.device)
+    pf = params.view(torch.float32)
+    rows = (pf[:, INV_TEMPERATURE] > 0).nonzero().squeeze(1)
+    if rows.numel() == 0:
+        return out
+    rec, recf = params[rows], pf[rows]
+    x = logits[rows].float() * recf[:, INV_TEMPERATURE, None]
+    x = torch.where(x == 0, 0.0, x)  # -0 as +0, as the kernel's ordered keys
+    m = x.amax(dim=1, keepdim=True)
+    keep = torch.ones_like(x, dtype=torch.bool)
+    k = rec[:, TOP_K].long()
+    has_k = (k > 0) & (k < V)
+    if has_k.any():
+        kth = x.sort(dim=1, descending=True).values.gather(1, (k.clamp(1, V) - 1)[:, None])
+        keep &= ~has_k[:, None] | (x >= kth)
+    top_p = recf[:, TOP_P]
+    has_p = top_p < 1.0
+    if has_p.any():
+        e = torch.where(keep, torch.exp(x - m), 0.0)
+        target = top_p * e.sum(dim=1)
+        desc, order = x.sort(dim=1, descending=True)
+        e_desc = e.gather(1, order)
+        before = torch.cat([torch.zeros_like(e_desc[:, :1]), e_desc.cumsum(dim=1)[:, :-1]], dim=1)
+        first = torch.searchsorted((-desc).contiguous(), (-x).contiguous())  # first place of each value
+        keep &= ~has_p[:, None] | (before.gather(1, first) < target[:, None])
+    log_min_p = recf[:, LOG_MIN_P, None]
+    keep &= (log_min_p == float("-inf")) | (x - m >= log_min_p)
+    u = counter_uniform(rec[:, SEED_LO], rec[:, SEED_HI], rec[:, POSITION], torch.arange(V, device=x.device))
+    score = torch.where(keep, x - torch.log(-torch.log(u)), float("-inf"))
+    out[rows] = argmax(score)
+    return out

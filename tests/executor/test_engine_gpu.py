@@ -35,7 +35,8 @@ def forget_compiled_kernels():
 
     from triton.runtime.jit import JITFunction
 
-    for name in ("activation", "attention", "fp8", "gemv", "greedy", "kv_cache", "norm", "prefill_attention", "rope"):
+    for name in ("activation", "attention", "fp8", "gemv", "greedy", "kv_cache", "norm", "prefill_attention", "rope",
+                 "sampling"):
         module = importlib.import_module(f"pagefleet.kernels.{name}")
         for obj in vars(module).values():
             if isinstance(obj, JITFunction):

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 GREEDY_EPS = 1e-5  # temperatures below this sample greedily
+MAX_LOGIT_BIAS = 300  # entries per request, as OpenAI allows
 
 
 @dataclass
@@ -24,6 +25,7 @@ class SamplingParams:
     max_tokens: int | None = 16  # None: up to max_model_len
     min_tokens: int = 0
     logprobs: int | None = None  # top-k logprobs per generated token (0 = only the chosen token's)
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit before penalties and sampling
     skip_special_tokens: bool = True
     detokenize: bool = True  # False: token ids only (benchmarks); stop strings then need it on
 
@@ -32,13 +34,15 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.logit_bias = dict(self.logit_bias) if self.logit_bias else None
 
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_EPS
 
-    def validate(self) -> SamplingParams:
-        """Raise ValueError naming the bad field; the server maps it to HTTP 400 with that param."""
+    def validate(self, vocab_size: int | None = None) -> SamplingParams:
+        """Raise ValueError naming the bad field; the server maps it to HTTP 400 with that param. vocab_size:
+        also check token ids (logit_bias) against the model's vocabulary."""
 
         def need(ok: bool, name: str, message: str) -> None:
             if not ok:
@@ -68,4 +72,10 @@ class SamplingParams:
              "must be non-negative integers")
         need(self.detokenize or not self.stop, "stop", "strings need detokenize=True")
         need(self.seed is None or isinstance(self.seed, int), "seed", f"must be an integer, got {self.seed!r}")
+        bias = self.logit_bias or {}
+        need(len(bias) <= MAX_LOGIT_BIAS, "logit_bias", f"allows at most {MAX_LOGIT_BIAS} entries, got {len(bias)}")
+        need(all(isinstance(t, int) and t >= 0 and (vocab_size is None or t < vocab_size) for t in bias),
+             "logit_bias", "keys must be token ids" + (f" in [0, {vocab_size})" if vocab_size else ""))
+        need(all(isinstance(b, (int, float)) and -100.0 <= b <= 100.0 for b in bias.values()), "logit_bias",
+             "values must be in [-100, 100]")
         return self

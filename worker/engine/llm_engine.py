@@ -73,7 +73,7 @@ class LLMEngine(EngineStep):
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams, lora_name: str | None = None) -> None:
         """Raise ValueError for a request the engine cannot serve (callable from any thread)."""
-        params.validate()
+        params.validate(self.model_config.vocab_size)
         if lora_name is not None and lora_name not in self.lora_names():
             raise ValueError(f"no LoRA adapter named {lora_name!r} is loaded")
         if not prompt_token_ids:

@@ -70,19 +70,14 @@ class EngineStep:
         return outputs + self._outputs(touched)
 
     def _can_overlap(self, batch: ScheduledBatch) -> bool:
-        """True when no sequence that samples in this step needs its token on the host before the next
-        step: no logprobs, no penalties (they read the output so far), no samples to fork. Prompt chunks
-        that sample nothing never stand in the way; a preemption does (its victim may hold a pending token)."""
+        """True unless a sequence that samples in this step has samples to fork (the forks split off on the
+        host before sampling) or the step preempts (its victim may hold a pending token). Penalties count
+        tokens on the device and logprobs come back with the tokens, so neither needs a synchronous step;
+        prompt chunks that sample nothing never stand in the way."""
         if batch.preempted:
             return False
-        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
-            if seq.num_computed_tokens + n < seq.num_tokens:
-                continue
-            p = seq.params
-            if (seq.pending_forks or p.logprobs is not None or p.repetition_penalty != 1.0 or p.presence_penalty
-                    or p.frequency_penalty):
-                return False
-        return True
+        return not any(seq.pending_forks and seq.num_computed_tokens + n >= seq.num_tokens
+                       for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True))
 
     def _drop_finished(self, batch: ScheduledBatch) -> None:
         """Take the sequences that finished since the batch was scheduled out of it."""
@@ -173,14 +168,15 @@ class EngineStep:
                 self._append_token(seq, token, logprob)
             return touched
         relaunched = self.pending.seq_ids if self.pending is not None else set()
-        for seq, token in zip(step.seqs, step.tokens.read(), strict=True):
+        tokens = step.tokens.read()
+        for seq, token, logprob in zip(step.seqs, tokens, step.tokens.logprobs(), strict=True):
             if seq.is_finished:  # finished (or aborted) while this step ran: its token is dropped
                 continue
             again = seq.seq_id in relaunched  # a later step is already running over this token
             at = seq.num_tokens - (2 if again else 1)
             assert seq.token_ids[at] == PLACEHOLDER
             del seq.token_ids[at:]
-            self._append_token(seq, token, None)  # stop checks and text see only real tokens
+            self._append_token(seq, token, logprob)  # stop checks and text see only real tokens
             if again and not seq.is_finished:
                 seq.token_ids.append(PLACEHOLDER)
             if not seq.is_finished:

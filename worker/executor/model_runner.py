@@ -12,7 +12,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
 from pagefleet.worker.core.config import EngineConfig
+from pagefleet.worker.core.outputs import TokenLogprobs
 from pagefleet.worker.core.scheduler import ScheduledBatch
 from pagefleet.worker.core.sequence import Sequence
 from pagefleet.worker.executor.bringup import bring_up, resolve_device, resolve_dtype
@@ -20,6 +22,7 @@ from pagefleet.worker.executor.graphs.decode import DecodeGraphs
 from pagefleet.worker.executor.graphs.manager import CUDAGraphs
 from pagefleet.worker.executor.graphs.mixed import MixedGraphs
 from pagefleet.worker.executor.graphs.prompt import PromptGraphs
+from pagefleet.worker.executor.sampler import Sampled
 from pagefleet.worker.executor.step_inputs import (
     StepInputs,
     eager_metadata,
@@ -34,16 +37,21 @@ from pagefleet.worker.models.registry import ModelConfig
 
 @dataclass
 class PendingTokens:
-    """One step's sampled tokens: on the device now, on the host once `event` has fired."""
+    """One step's sampled tokens (and logprobs): on the device now, on the host once `event` has fired."""
 
     device: torch.Tensor
-    host: torch.Tensor
+    host: Sampled  # host copies, filled behind the event
     event: object | None
 
     def read(self) -> list[int]:
         if self.event is not None:
             self.event.synchronize()  # waits for this step only, not for the one launched after it
-        return self.host.tolist()
+        self.tokens = self.host.tokens.tolist()
+        return self.tokens
+
+    def logprobs(self) -> list[TokenLogprobs | None]:
+        """Per row, after read(): its logprobs, None for rows that asked for none."""
+        return self.host.logprobs(self.tokens)
 
 
 class ModelRunner:
@@ -125,17 +133,18 @@ class ModelRunner:
             return None
         return self.model.compute_logits(sampled_rows(hidden, step.logits_rows))
 
-    def sample(self, logits: torch.Tensor, seqs: list[Sequence]):
-        return self.sampler.sample(logits, seqs)
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """Sample and read back at once: the overlapped path's copies, waited for here."""
+        pending = self.sample_async(logits, seqs)
+        return pending.read(), pending.logprobs()
 
     def sample_async(self, logits: torch.Tensor, seqs: list[Sequence]) -> PendingTokens:
-        """Sample without waiting: the tokens stay on the device for the next step and are copied to
-        pinned host memory behind an event, so the host can prepare the next step meanwhile."""
-        tokens = self.sampler.sample_on_device(logits, seqs)
-        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=self.device.type == "cuda")
-        host.copy_(tokens, non_blocking=True)
+        """Sample without waiting: the tokens stay on the device for the next step and are copied, with the
+        logprobs, to pinned host memory behind an event, so the host can prepare the next step meanwhile."""
+        sampled = self.sampler.sample_step(logits, seqs)
+        host = sampled.to_host(pin=self.device.type == "cuda")
         event = None
         if self.device.type == "cuda":
             event = torch.cuda.Event()
             event.record()
-        return PendingTokens(tokens, host, event)
+        return PendingTokens(sampled.tokens, host, event)

@@ -1,119 +1,174 @@
-"""Token choice for one step on the device: penalties, temperature, top-k/top-p/min-p, per-sequence seeds.
+"""Token choice for one step on the device: logit_bias, min_tokens, penalties, then temperature, top-k, top-p,
+min-p and a seeded draw, and the logprobs, with one host-to-device copy per step and no host sync.
 
-Rows of one step are sampled together; one host transfer returns the chosen tokens (and logprobs).
-A seeded sequence draws its noise from its own generator, so its output does not depend on what
-else is in the batch.
+The step's row records (sampling_state.py) and the indices of its penalised and logprobs rows go to the
+device in one pinned int32 copy. Greedy rows take the exact argmax in the model's dtype (kernels/greedy.py);
+sampled rows are drawn by kernels/sampling.py on CUDA (reference.sample elsewhere, the same draws: the noise
+is a counter-based hash of seed, output position and token id, so a seeded row's draw depends on nothing
+else in the batch). Penalised rows are processed in fp32 first, in vLLM's order: logit_bias, min_tokens,
+then repetition / presence / frequency penalties from the counts their slots keep on the device. Logprobs
+are of the model's logits (vLLM's raw logprobs), computed on the device and read back with the tokens.
+Sampling runs after the CUDA graphs' replay, outside them.
 """
 
 from __future__ import annotations
 
+import importlib
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 
-from pagefleet.worker.models.layers import ops
+from pagefleet.kernels import reference as ref
 from pagefleet.worker.core.outputs import TokenLogprobs
 from pagefleet.worker.core.sequence import Sequence
+from pagefleet.worker.executor import sampling_state as st
+from pagefleet.worker.models.layers import ops
+
+
+@dataclass
+class Sampled:
+    """One step's choice on the device: tokens int64 [R]; for the logprobs rows `lp_rows`, chosen [L] and top
+    values / ids [L, k] (k the most any row asked for; row i keeps its first `lp_counts[i]`)."""
+
+    tokens: torch.Tensor
+    lp_rows: list[int]
+    lp_counts: list[int]
+    chosen: torch.Tensor | None = None
+    top_values: torch.Tensor | None = None
+    top_ids: torch.Tensor | None = None
+
+    def to_host(self, pin: bool) -> Sampled:
+        """Host copies, started without waiting (the caller records an event behind them)."""
+
+        def host(t):
+            if t is None:
+                return None
+            out = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
+            return out.copy_(t, non_blocking=True)
+
+        return Sampled(host(self.tokens), self.lp_rows, self.lp_counts, host(self.chosen), host(self.top_values),
+                       host(self.top_ids))
+
+    def logprobs(self, tokens: list[int]) -> list[TokenLogprobs | None]:
+        """Per row (host copies, read once their event has fired): its TokenLogprobs, None without logprobs."""
+        result: list[TokenLogprobs | None] = [None] * len(tokens)
+        if not self.lp_rows:
+            return result
+        chosen = self.chosen.tolist()
+        top_values, top_ids = self.top_values.tolist(), self.top_ids.tolist()
+        for j, (i, n) in enumerate(zip(self.lp_rows, self.lp_counts, strict=True)):
+            result[i] = TokenLogprobs(tokens[i], chosen[j], list(zip(top_ids[j][:n], top_values[j][:n])))
+        return result
 
 
 class Sampler:
     def __init__(self, device: torch.device, seed: int, eos_token_ids: list[int]):
         self.device = device
-        self.generator = torch.Generator(device=device).manual_seed(seed)  # unseeded requests
-        self.seq_generators: dict[int, torch.Generator] = {}
         self.eos_token_ids = eos_token_ids
+        self.state = st.SamplingState(device, seed)
+        # the Triton kernel on CUDA, its reference elsewhere (imported here: CPU processes skip Triton)
+        self.kernel = importlib.import_module("pagefleet.kernels.sampling") if device.type == "cuda" else ref
 
     def forget(self, seq: Sequence) -> None:
-        self.seq_generators.pop(seq.seq_id, None)
-
-    def _generator(self, seq: Sequence) -> torch.Generator:
-        g = self.seq_generators.get(seq.seq_id)
-        if g is None:
-            g = self.seq_generators[seq.seq_id] = torch.Generator(device=self.device).manual_seed(seq.seed)
-        return g
+        self.state.forget(seq)
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[TokenLogprobs | None]]:
-        """logits [R, V], one row per sequence in `seqs` -> (token per row, logprobs per row)."""
-        want_logprobs = [s.params.logprobs is not None for s in seqs]
-        raw_logprobs = torch.log_softmax(logits.float(), dim=-1) if any(want_logprobs) else None
-        tokens = self.sample_on_device(logits, seqs)
-        return tokens.tolist(), self._logprobs(raw_logprobs, tokens, seqs, want_logprobs)
+        """logits [R, V], one row per sequence in `seqs` -> (token per row, logprobs per row), read back at once."""
+        host = self.sample_step(logits, seqs).to_host(pin=False)
+        tokens = host.tokens.tolist()
+        return tokens, host.logprobs(tokens)
 
     @torch.inference_mode()
     def sample_on_device(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """The chosen token of every row, left on the device (no host sync here)."""
-        if any(self._needs_processing(s) for s in seqs):
-            logits = self._apply_penalties(logits.float(), seqs)
-        greedy = [s.params.greedy for s in seqs]
-        tokens = ops.argmax(logits)  # exact in the model dtype
-        if not all(greedy):  # decided on the host: no device sync
-            tokens = torch.where(torch.tensor(greedy, device=logits.device), tokens, self._sample_random(logits.float(), seqs))
-        return tokens
+        return self.sample_step(logits, seqs).tokens
+
+    @torch.inference_mode()
+    def sample_step(self, logits: torch.Tensor, seqs: list[Sequence]) -> Sampled:
+        R, V = logits.shape
+        lp_rows = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+        lp_counts = [seqs[i].params.logprobs for i in lp_rows]
+        rows = self.state.rows(seqs, V, self.eos_token_ids)
+        processed = self.state.processed(seqs, rows)
+        greedy = rows[:, ref.INV_TEMPERATURE] == 0  # fp32 0.0 is int 0
+        if greedy.all() and not len(processed) and not lp_rows:
+            return Sampled(ops.argmax(logits), lp_rows, lp_counts)  # the plain greedy step: nothing to copy
+        params, processed_d, lp_rows_d = self._upload(rows, processed, np.asarray(lp_rows, dtype=np.int32))
+        x = logits
+        if len(processed):
+            x = logits.to(torch.float32, copy=True)  # the logprobs below read the model's logits
+            self._process(x, params, processed_d.long())
+        tokens = ops.argmax(x) if greedy.any() else None  # exact in the model's dtype
+        if not greedy.all():
+            tokens = self.kernel.sample(x, params, tokens)
+        if len(processed):
+            self._count(params, processed_d.long(), tokens)
+        return self._with_logprobs(Sampled(tokens, lp_rows, lp_counts), logits, lp_rows_d)
+
+    def _upload(self, rows: np.ndarray, *indices: np.ndarray) -> list[torch.Tensor]:
+        """The records [R, ROW] and each index array in one pinned host-to-device copy; each piece 16-byte
+        aligned (Triton compiles a kernel variant per pointer alignment)."""
+        sizes = [len(a) for a in indices]
+        padded = [-(-n // 4) * 4 for n in sizes]
+        host = torch.empty(rows.size + sum(padded), dtype=torch.int32, pin_memory=self.device.type == "cuda")
+        flat = host.numpy()
+        flat[: rows.size] = rows.reshape(-1)
+        at = rows.size
+        for a, n in zip(indices, padded, strict=True):
+            flat[at: at + len(a)] = a
+            at += n
+        dev = host.to(self.device, non_blocking=True)
+        pieces = [dev[: rows.size].view(rows.shape)]
+        at = rows.size
+        for a, n in zip(indices, padded, strict=True):
+            pieces.append(dev[at: at + len(a)])
+            at += n
+        return pieces
+
+    def _process(self, x: torch.Tensor, params: torch.Tensor, prow: torch.Tensor) -> None:
+        """logit_bias, min_tokens, then repetition / presence / frequency penalties on rows prow of x (fp32)."""
+        slots = self.state.slots
+        rec = params[prow]
+        recf = rec.view(torch.float32)
+        slot = rec[:, st.SLOT].long()
+        lg = x[prow]
+        lg.scatter_add_(1, slots.bias_ids[slot], slots.bias_values[slot])
+        ids = slots.banned[slot]
+        ban = (rec[:, ref.POSITION] < rec[:, st.MIN_TOKENS])[:, None]
+        lg.scatter_(1, ids, torch.where(ban, float("-inf"), lg.gather(1, ids)))
+        words = slots.words[slot]
+        counts = (words & st.COUNT_MASK).float()
+        rp = recf[:, st.REPETITION, None]
+        lg = torch.where(words != 0, torch.where(lg > 0, lg / rp, lg * rp), lg)
+        lg -= recf[:, st.FREQUENCY, None] * counts + recf[:, st.PRESENCE, None] * (counts > 0).float()
+        x[prow] = lg
+
+    def _count(self, params: torch.Tensor, prow: torch.Tensor, tokens: torch.Tensor) -> None:
+        """Each processed row's sampled token joins its slot's output counts, on the device."""
+        slot = params[prow, st.SLOT].long()
+        words = self.state.slots.words
+        words.index_put_((slot, tokens[prow]), torch.ones_like(slot, dtype=torch.int32), accumulate=True)
 
     @staticmethod
-    def _needs_processing(seq: Sequence) -> bool:
-        p = seq.params
-        return p.repetition_penalty != 1.0 or bool(p.presence_penalty or p.frequency_penalty) or seq.num_output_tokens < p.min_tokens
+    def _with_logprobs(sampled: Sampled, logits: torch.Tensor, rows_d: torch.Tensor) -> Sampled:
+        """Log-softmax of the model's logits at the chosen and the top tokens, for the logprobs rows."""
+        if not sampled.lp_rows:
+            return sampled
+        rows_d = rows_d.long()
+        sel = logits.index_select(0, rows_d).float()
+        lse = torch.logsumexp(sel, dim=1, keepdim=True)
+        sampled.chosen = (sel.gather(1, sampled.tokens[rows_d, None]) - lse).squeeze(1)
+        top = sel.topk(max(sampled.lp_counts), dim=1)
+        sampled.top_values, sampled.top_ids = top.values - lse, top.indices
+        return sampled
 
-    def _apply_penalties(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        for row, seq in enumerate(seqs):
-            p = seq.params
-            if p.repetition_penalty != 1.0:
-                # HF/vLLM semantics: every token seen in prompt or output, positive logits divided, negative multiplied
-                seen = torch.tensor(sorted(set(seq.token_ids)), device=logits.device, dtype=torch.long)
-                vals = logits[row, seen]
-                logits[row, seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
-            if (p.presence_penalty or p.frequency_penalty) and seq.num_output_tokens:
-                out = torch.tensor(seq.output_token_ids, device=logits.device, dtype=torch.long)
-                counts = torch.bincount(out, minlength=logits.shape[1]).float()
-                logits[row] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
-            if seq.num_output_tokens < p.min_tokens:
-                banned = list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_token_ids)
-                if banned:
-                    logits[row, banned] = float("-inf")
-        return logits
-
-    def _sample_random(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        dev = logits.device
-        temps = torch.tensor([max(s.params.temperature, 1e-5) for s in seqs], device=dev)
-        logits = logits / temps[:, None]
-        top_k = [s.params.top_k if s.params.top_k > 0 else logits.shape[1] for s in seqs]
-        top_p = [s.params.top_p for s in seqs]
-        min_p = [s.params.min_p for s in seqs]
-        if any(k < logits.shape[1] for k in top_k) or any(p < 1.0 for p in top_p):
-            sorted_logits, order = logits.sort(dim=-1, descending=True)
-            ranks = torch.arange(logits.shape[1], device=dev)
-            sorted_logits.masked_fill_(ranks[None, :] >= torch.tensor(top_k, device=dev)[:, None], float("-inf"))
-            probs = sorted_logits.softmax(dim=-1)
-            # keep the smallest prefix whose mass reaches top_p (the first token always stays)
-            beyond = (probs.cumsum(dim=-1) - probs) >= torch.tensor(top_p, device=dev)[:, None]
-            sorted_logits.masked_fill_(beyond, float("-inf"))
-            logits = torch.full_like(logits, float("-inf")).scatter_(1, order, sorted_logits)
-        probs = logits.softmax(dim=-1)
-        if any(m > 0 for m in min_p):
-            floor = torch.tensor(min_p, device=dev)[:, None] * probs.amax(dim=-1, keepdim=True)
-            probs = probs.masked_fill(probs < floor, 0.0)
-        # Exponential-race sampling (argmax of p / E, E ~ Exp(1)) equals drawing from p, and lets a
-        # seeded row draw its noise from its own generator.
-        noise = torch.empty_like(probs)
-        unseeded = [i for i, s in enumerate(seqs) if s.seed is None]
-        if unseeded:
-            noise[unseeded] = torch.empty((len(unseeded), probs.shape[1]), device=dev).exponential_(generator=self.generator)
-        for i, s in enumerate(seqs):
-            if s.seed is not None:
-                noise[i].exponential_(generator=self._generator(s))
-        return ops.argmax(probs / noise)
-
-    def _logprobs(self, raw, tokens, seqs, want) -> list[TokenLogprobs | None]:
-        if raw is None:
-            return [None] * len(seqs)
-        rows = [i for i, w in enumerate(want) if w]
-        k = max(seqs[i].params.logprobs for i in rows)
-        chosen = raw[rows].gather(1, tokens[rows, None]).squeeze(1).tolist()
-        top_vals, top_ids = (raw[rows].topk(k, dim=-1) if k else (raw[rows][:, :0], raw[rows][:, :0].long()))
-        top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
-        result: list[TokenLogprobs | None] = [None] * len(seqs)
-        tok = tokens.tolist()
-        for j, i in enumerate(rows):
-            n = seqs[i].params.logprobs
-            result[i] = TokenLogprobs(tok[i], chosen[j], list(zip(top_ids[j][:n], top_vals[j][:n])))
-        return result
+    def warm_up(self, logits: torch.Tensor) -> None:
+        """Compile the kernel variants a step can need (sampled rows of model-dtype and fp32 logits) at start-up."""
+        rows = np.zeros((1, st.ROW), dtype=np.int32)
+        rows.view(np.float32)[:, ref.INV_TEMPERATURE] = 1.0
+        rows.view(np.float32)[:, ref.TOP_P] = 1.0
+        (params,) = self._upload(rows)
+        self.kernel.sample(logits[:1], params)
+        self.kernel.sample(logits[:1].float(), params)

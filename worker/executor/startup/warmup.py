@@ -51,7 +51,8 @@ def warm_up(runner, share: tuple[int, int] | None = None) -> int:
             hidden = runner.model(zeros, zeros)
             logits = runner.model.compute_logits(hidden[:1])
     ops.argmax(logits)  # greedy rows, in the model's dtype
-    ops.argmax(logits.float())  # sampled and penalised rows
+    ops.argmax(logits.float())  # penalised rows
+    runner.sampler.warm_up(logits)  # sampled rows
     if dev.type == "cuda":
         torch.cuda.synchronize()
     runner.start_seconds["warmup"] = time.perf_counter() - start
