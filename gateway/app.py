@@ -1,4 +1,4 @@
-"""`pagefleet gateway`: the real LiteLLM proxy, in our process, with queue-depth routing installed.
+"""`pagefleet gateway`: the real LiteLLM proxy, in our process, with our routing installed.
 
 LiteLLM has no config key for a custom routing strategy, so we run its ASGI app under a
 uvicorn.Server in our own asyncio loop, wait until the proxy has built its router from the
@@ -20,15 +20,18 @@ from pagefleet.gateway.routing import RoutingPolicy
 
 log = logging.getLogger("pagefleet.gateway")
 
-ROUTINGS = ("queue-depth", "simple-shuffle", "least-busy")
+ROUTINGS = ("prefix-aware", "queue-depth", "simple-shuffle", "least-busy")
+OURS = ("prefix-aware", "queue-depth")
 METRICS_PATH = "/pagefleet/metrics"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="0.0.0.0")
     parser.add_argument("--port", type=int, default=4000)
-    parser.add_argument("--master-key", default=os.environ.get("PAGEFLEET_MASTER_KEY") or os.environ.get("LITELLM_MASTER_KEY"),
-                        help="key clients must send on /v1/* (sk-...); default $PAGEFLEET_MASTER_KEY or $LITELLM_MASTER_KEY")
+    parser.add_argument("--master-key",
+                        default=os.environ.get("PAGEFLEET_MASTER_KEY") or os.environ.get("LITELLM_MASTER_KEY"),
+                        help="key clients must send on /v1/* (sk-...); "
+                             "default $PAGEFLEET_MASTER_KEY or $LITELLM_MASTER_KEY")
     members = parser.add_argument_group("membership (one of)")
     members.add_argument("--worker", action="append", default=[], metavar="URL",
                          help="a static worker, http://host:port (repeat for more)")
@@ -37,16 +40,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                          help="follow the EndpointSlices of InferenceService Services in --namespace")
     members.add_argument("--namespace", default=os.environ.get("POD_NAMESPACE", "default"))
     routing = parser.add_argument_group("routing")
-    routing.add_argument("--routing", choices=ROUTINGS, default="queue-depth",
-                         help="queue-depth: ours (probed queues); the others are LiteLLM's own, for comparison")
+    routing.add_argument("--routing", choices=ROUTINGS, default="prefix-aware",
+                         help="prefix-aware: ours, probed queues + expected prefix-cache hits; queue-depth: ours, "
+                              "probed queues only; the others are LiteLLM's own, for comparison")
     routing.add_argument("--probe-interval-ms", type=float, default=200.0)
     routing.add_argument("--probe-timeout-ms", type=float, default=1000.0)
-    routing.add_argument("--queue-threshold", type=int, default=5, help="queued requests at which a worker is saturated")
-    routing.add_argument("--kv-threshold", type=float, default=0.8, help="KV cache usage at which a worker is saturated")
+    routing.add_argument("--queue-threshold", type=int, default=5,
+                         help="queued requests at which a worker is saturated")
+    routing.add_argument("--kv-threshold", type=float, default=0.8,
+                         help="KV cache usage at which a worker is saturated")
+    routing.add_argument("--queue-weight", type=float, default=1.0, help="weight of the normalised queue term")
+    routing.add_argument("--kv-weight", type=float, default=1.0, help="weight of the free-KV-cache term")
+    routing.add_argument("--prefix-weight", type=float, default=2.0,
+                         help="prefix-aware: weight of the expected prefix hit (share of the prompt a worker holds)")
+    routing.add_argument("--load-factor", type=float, default=1.25,
+                         help="prefix-aware: a worker earns its prefix term only while its load + 1 is within "
+                              "this factor of the mean (bounded loads)")
+    routing.add_argument("--prefix-tokenizer", metavar="DIR",
+                         help="prefix-aware: the model's folder (tokenizer.json, chat template) to cut prompts into "
+                              "the workers' own blocks; default: text chunks, no tokenizer")
     resilience = parser.add_argument_group("resilience")
     resilience.add_argument("--num-retries", type=int, default=3, help="tries on other workers after a failure")
     resilience.add_argument("--cooldown-s", type=float, default=5.0, help="how long a failing worker is skipped")
-    resilience.add_argument("--allowed-fails", type=int, default=0, help="failures per minute tolerated before a cooldown")
+    resilience.add_argument("--allowed-fails", type=int, default=0,
+                            help="failures per minute tolerated before a cooldown")
     resilience.add_argument("--request-timeout-s", type=float, default=600.0)
     parser.add_argument("--max-parallel-requests", type=int, default=None,
                         help="requests in flight through the gateway before it answers 429 (no database needed)")
@@ -70,15 +87,19 @@ def _validate(args: argparse.Namespace) -> tuple[ProxySettings, RoutingPolicy, l
         settings = ProxySettings(
             master_key=args.master_key,
             # Ours replaces LiteLLM's selection; simple-shuffle is the base it falls back on for sync paths.
-            routing_strategy="simple-shuffle" if args.routing == "queue-depth" else args.routing,
+            routing_strategy="simple-shuffle" if args.routing in OURS else args.routing,
             num_retries=args.num_retries, request_timeout_s=args.request_timeout_s,
             cooldown_time_s=args.cooldown_s, allowed_fails=args.allowed_fails, worker_api_key=args.worker_api_key,
         )
-        policy = RoutingPolicy(queue_threshold=args.queue_threshold, kv_threshold=args.kv_threshold)
+        policy = RoutingPolicy(queue_threshold=args.queue_threshold, kv_threshold=args.kv_threshold,
+                               queue_weight=args.queue_weight, kv_weight=args.kv_weight,
+                               prefix_weight=args.prefix_weight, load_factor=args.load_factor)
+        if args.prefix_tokenizer and not os.path.isfile(os.path.join(args.prefix_tokenizer, "tokenizer.json")):
+            raise ValueError(f"--prefix-tokenizer: no tokenizer.json in {args.prefix_tokenizer}")
         if args.max_parallel_requests is not None and args.max_parallel_requests < 1:
             raise ValueError("--max-parallel-requests must be >= 1")
     except ValueError as exc:
-        raise SystemExit(f"pagefleet gateway: {exc}")
+        raise SystemExit(f"pagefleet gateway: {exc}") from None
     return settings, policy, workers
 
 
@@ -141,8 +162,8 @@ async def serve(args: argparse.Namespace, settings: ProxySettings, policy: Routi
     for model_name, url in ((args.served_model_name, u) for u in map(normalise_worker_url, args.worker)):
         fleet.members.add((model_name, url))  # already in the router from the config file
         prober.add(url)
-    if args.routing == "queue-depth":
-        _install_strategy(router, prober, policy)
+    if args.routing in OURS:
+        _install_strategy(router, prober, policy, _prefix_affinity(args))
     prober.start()
     stop_watch = start_kubernetes_membership(fleet, args.namespace) if args.kubernetes else None
     app.ready = True
@@ -172,12 +193,22 @@ class NotReadyUntilRouting:
         await self.app(scope, receive, send)
 
 
-def _install_strategy(router, prober, policy: RoutingPolicy) -> None:
+def _prefix_affinity(args: argparse.Namespace):
+    """The prefix index for --routing prefix-aware (None otherwise), keyed by tokens or by text chunks."""
+    from pagefleet.gateway.prefix import PrefixAffinity
+    from pagefleet.gateway.prefix_keys import TextKeys, TokenKeys
+
+    if args.routing != "prefix-aware":
+        return None
+    return PrefixAffinity(TokenKeys(args.prefix_tokenizer) if args.prefix_tokenizer else TextKeys())
+
+
+def _install_strategy(router, prober, policy: RoutingPolicy, prefix=None) -> None:
     import litellm
 
     from pagefleet.gateway.strategy import QueueDepthStrategy, WorkerFailureListener
 
-    router.set_custom_routing_strategy(QueueDepthStrategy(router, prober, policy))
+    router.set_custom_routing_strategy(QueueDepthStrategy(router, prober, policy, prefix=prefix))
     listener = WorkerFailureListener(prober)
     litellm.logging_callback_manager.add_litellm_callback(listener)
     litellm.logging_callback_manager.add_litellm_async_failure_callback(listener)

@@ -25,17 +25,26 @@ class GatewayMetrics:
 
     def __init__(self):
         self.registry = CollectorRegistry()
-        label = ["worker"]
-        self.waiting = Gauge("pagefleet_gateway_worker_waiting", "Last probed waiting requests", label, registry=self.registry)
-        self.running = Gauge("pagefleet_gateway_worker_running", "Last probed running requests", label, registry=self.registry)
-        self.kv = Gauge("pagefleet_gateway_worker_kv_cache_usage", "Last probed KV cache usage (0-1)", label, registry=self.registry)
-        self.queue = Gauge("pagefleet_gateway_worker_queue_depth", "Probed waiting plus requests sent since the probe", label, registry=self.registry)
-        self.up = Gauge("pagefleet_gateway_worker_up", "1 if the worker's last probe answered", label, registry=self.registry)
-        self.probe_failures = Counter("pagefleet_gateway_probe_failures_total", "Failed /load probes", label, registry=self.registry)
-        self.decisions = Counter("pagefleet_gateway_routing_decisions_total", "Routing decisions by chosen worker and reason", ["worker", "reason"], registry=self.registry)
+        label, r = ["worker"], self.registry
+        self.waiting = Gauge("pagefleet_gateway_worker_waiting", "Last probed waiting requests", label, registry=r)
+        self.running = Gauge("pagefleet_gateway_worker_running", "Last probed running requests", label, registry=r)
+        self.kv = Gauge("pagefleet_gateway_worker_kv_cache_usage", "Last probed KV cache usage (0-1)", label,
+                        registry=r)
+        self.queue = Gauge("pagefleet_gateway_worker_queue_depth", "Probed waiting plus requests sent since the probe",
+                           label, registry=r)
+        self.up = Gauge("pagefleet_gateway_worker_up", "1 if the worker's last probe answered", label, registry=r)
+        self.probe_failures = Counter("pagefleet_gateway_probe_failures_total", "Failed /load probes", label,
+                                      registry=r)
+        self.prefix_queried = Counter("pagefleet_gateway_prefix_query_blocks_total",
+                                      "Prompt blocks of requests routed by prefix", label, registry=r)
+        self.prefix_expected = Counter("pagefleet_gateway_prefix_expected_hit_blocks_total",
+                                       "Of those, blocks the chosen worker was expected to hold", label, registry=r)
+        self.decisions = Counter("pagefleet_gateway_routing_decisions_total",
+                                 "Routing decisions by chosen worker and reason", ["worker", "reason"], registry=r)
 
     def forget(self, url: str) -> None:
-        for gauge in (self.waiting, self.running, self.kv, self.queue, self.up):
+        for gauge in (self.waiting, self.running, self.kv, self.queue, self.up, self.prefix_queried,
+                      self.prefix_expected):
             try:
                 gauge.remove(url)
             except KeyError:
@@ -93,6 +102,8 @@ class Prober:
             waiting, running = int(body["waiting"]), int(body["running"])
             kv, max_seqs = float(body["kv_cache_usage"]), int(body.get("max_num_seqs", 0))
             adapters = frozenset(body.get("lora_adapters") or ())
+            # The prefix index's block size and LRU bound; 0 from a worker that does not report them.
+            block_size, num_blocks = int(body.get("block_size", 0)), int(body.get("num_blocks", 0))
             if body.get("draining"):  # answers its probe but refuses new work with 503
                 raise RuntimeError("draining")
         except Exception as exc:  # connection refused, timeout, bad JSON, draining: all mean "not usable now"
@@ -114,6 +125,7 @@ class Prober:
             sent.popleft()
         load.waiting, load.running, load.kv_cache_usage, load.max_num_seqs = waiting, running, kv, max_seqs
         load.unreflected, load.up, load.lora_adapters = len(sent), True, adapters
+        load.block_size, load.num_blocks = block_size, num_blocks
         m = self.metrics
         m.waiting.labels(url).set(waiting)
         m.running.labels(url).set(running)

@@ -2,6 +2,8 @@
 
 LiteLLM's `least-busy` counts only the proxy's own in-flight requests; this strategy asks the
 workers (through the prober) how long their queues are and how full their KV caches are.
+With a `PrefixAffinity` (--routing prefix-aware) it also scores the share of the prompt each worker
+is expected to hold, and records the routed prompt under the chosen worker.
 A failure callback marks a worker that refused a connection as down at once, so a retry that
 follows within the same millisecond does not pick it again before the next probe.
 """
@@ -15,6 +17,7 @@ from litellm.integrations.custom_logger import CustomLogger
 from litellm.types.router import CustomRoutingStrategyBase
 
 from pagefleet.gateway.config import WORKER_URL_KEY
+from pagefleet.gateway.prefix import PrefixAffinity
 from pagefleet.gateway.probe import Prober
 from pagefleet.gateway.routing import RoutingPolicy, WorkerLoad, choose, holding
 
@@ -30,22 +33,40 @@ def worker_url_of(deployment: dict) -> str:
     return api_base.rstrip("/").removesuffix("/v1")
 
 
+def is_chat(request_kwargs: dict | None) -> bool:
+    """A chat completion (the worker applies its chat template) unless the proxy's URL says /completions."""
+    url = ((request_kwargs or {}).get("proxy_server_request") or {}).get("url") or ""
+    return not (url.endswith("/completions") and not url.endswith("/chat/completions"))
+
+
 class QueueDepthStrategy(CustomRoutingStrategyBase):
-    def __init__(self, router, prober: Prober, policy: RoutingPolicy, rng: random.Random | None = None):
+    def __init__(self, router, prober: Prober, policy: RoutingPolicy, rng: random.Random | None = None,
+                 prefix: PrefixAffinity | None = None):
         self.router = router
         self.prober = prober
         self.policy = policy
         self.rng = rng or random.Random()
+        self.prefix = prefix  # None: queue depth and KV only
 
-    def pick(self, deployments: list[dict], model: str | None = None) -> dict:
+    def pick(self, deployments: list[dict], model: str | None = None, messages: list[dict] | None = None,
+             chat: bool = True) -> dict:
         by_url = {}
         for d in deployments:
             by_url.setdefault(worker_url_of(d), d)
         loads = [self.prober.snapshot(url) or WorkerLoad(url=url) for url in by_url]
         if model is not None:
             loads = holding(loads, model)
-        decision = choose(loads, self.policy, self.rng)
+        lookup = None
+        if self.prefix is not None:
+            self.prefix.index.retain(self.prober.loads)  # workers that left take their entries with them
+            lookup = self.prefix.lookup(loads, model or "", messages, chat)
+        decision = choose(loads, self.policy, self.rng, lookup.hits if lookup else None,
+                          lookup.held if lookup else None)
         self.prober.note_sent(decision.url)
+        if lookup is not None:
+            hit, blocks = self.prefix.record(decision.url, lookup)
+            self.prober.metrics.prefix_queried.labels(decision.url).inc(blocks)
+            self.prober.metrics.prefix_expected.labels(decision.url).inc(hit)
         self.prober.metrics.decisions.labels(decision.url, decision.reason).inc()
         log.debug("routed to %s (%s) scores=%s", decision.url, decision.reason, decision.scores)
         return by_url[decision.url]
@@ -59,7 +80,7 @@ class QueueDepthStrategy(CustomRoutingStrategyBase):
         )
         if isinstance(healthy, dict):  # the caller named one deployment
             return healthy
-        return self.pick(healthy, model)
+        return self.pick(healthy, model, messages, is_chat(request_kwargs))
 
     def get_available_deployment(self, model, messages=None, input=None, specific_deployment=False,
                                  request_kwargs=None):
@@ -72,7 +93,7 @@ class QueueDepthStrategy(CustomRoutingStrategyBase):
             return healthy
         if not healthy:
             raise ValueError(f"no deployments for model {model!r}")
-        return self.pick(healthy, model)
+        return self.pick(healthy, model, messages, is_chat(request_kwargs))
 
 
 class WorkerFailureListener(CustomLogger):
@@ -105,4 +126,5 @@ def _is_connection_failure(exc) -> bool:
     if isinstance(exc, litellm.APIConnectionError):
         return True
     text = str(exc)
-    return any(s in text for s in ("Connection error", "Connection refused", "ConnectError", "Connection reset", "Server disconnected"))
+    return any(s in text for s in ("Connection error", "Connection refused", "ConnectError", "Connection reset",
+                                   "Server disconnected"))

@@ -48,6 +48,8 @@ class ServerState:
         self.max_model_len = engine.max_model_len
         self.max_num_seqs = engine.load()["max_num_seqs"]
         core = getattr(engine, "engine", engine)  # AsyncLLMEngine wraps the LLMEngine that knows the model
+        # On /load: the gateway's prefix index cuts prompts into this block size and bounds its LRU by these blocks.
+        self.kv_blocks = {"block_size": core.block_manager.block_size, "num_blocks": core.block_manager.num_blocks}
         model_vocab = getattr(getattr(core, "model_config", None), "vocab_size", None)
         self.vocab_size = min(len(self.tokenizer), model_vocab or len(self.tokenizer))
         self._token_text: dict[int, str] = {}
@@ -244,7 +246,8 @@ def build_app(engine, served_model_name: str | list[str] | None = None, api_key:
 
     @app.get("/load")
     async def load():  # polled many times a second: skip FastAPI's response encoding
-        return JSONResponse({**engine.load(), "draining": state.draining})  # the gateway skips a draining worker
+        # The gateway skips a draining worker.
+        return JSONResponse({**engine.load(), **state.kv_blocks, "draining": state.draining})
 
     @app.get("/metrics")
     async def metrics():
