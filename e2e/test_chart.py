@@ -3,7 +3,8 @@
 helm comes from PATH, else from e2e/build_binaries.sh, which builds it beside the control plane the first
 time (from source, with Go) and hands back its cache at once afterwards. The lookup happens when the first
 test runs, not at collection, so a fresh machine builds helm instead of skipping; only a machine without a
-Go toolchain skips, and says so.
+Go toolchain skips, and says so. One file past 300 lines: every chart option's rendering beside the two real
+installs, which share the module's rendered manifests.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """The e2e cluster itself: real controllers acting on pods that the node agent runs as processes.
 
 Manifests use a public python image and `python3` on PATH, so the same tests run on kind or a
-real cluster (PAGEFLEET_E2E_KUBECONFIG); checks that look at local processes need the local one.
+real cluster (PAGEFLEET_E2E_KUBECONFIG); checks that look at local processes need the local one. One file
+past 300 lines: every controller behaviour the operator relies on, checked against the one session cluster.
 """
 
 from __future__ import annotations

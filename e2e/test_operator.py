@@ -2,7 +2,8 @@
 
 The operator runs as a subprocess (`pagefleet operator --namespace NS`) with the cluster's kubeconfig,
 as it would run from a terminal; the worker pods run the real `pagefleet serve` on the bundled model.
-Tests run in file order and share one namespace and one operator process.
+Tests run in file order and share one namespace and one operator process, which is why they stay in one
+file past 300 lines: starting the operator and its workers again per file would cost minutes each.
 """
 
 from __future__ import annotations

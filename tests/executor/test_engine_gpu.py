@@ -1,6 +1,8 @@
 """The engine on CUDA (Triton kernels, CUDA graphs) against transformers in fp32; skipped without a GPU.
 
-benchmarks/gpu_bench.py runs the same comparison on 8B-shaped checkpoints; this is the small, quick one.
+benchmarks/gpu_bench.py runs the same comparison on 8B-shaped checkpoints; this is the small, quick one. One
+file past 300 lines: every CUDA-only path of the engine (graph kinds, FP8, compile workers) in the one run the
+H200 gives them.
 """
 
 import re

@@ -3,7 +3,8 @@
 
 Two gateways over the same two workers: `ours` (queue-depth routing) and `shuffle` (LiteLLM's own
 simple-shuffle), so both strategies meet the same load in the same run. LiteLLM answers with the
-header x-litellm-model-api-base, which says which worker served each request.
+header x-litellm-model-api-base, which says which worker served each request. One file past 300 lines: the
+workers and gateways start once for every test here.
 """
 
 from __future__ import annotations
@@ -218,7 +219,8 @@ async def test_queue_depth_routing_beats_simple_shuffle(fleet):
               f"{pct(latencies, 50):.2f} s, p99 {pct(latencies, 99):.2f} s, mean {statistics.mean(latencies):.2f} s")
         if name == "ours":
             why = await _decisions(gateways["ours"])  # on failure: the router's reasons, by worker
-            assert to_idle >= total - ROUNDS, f"queue-depth routing sent {total - to_idle} of {total} to the busy worker: {why}"
+            assert to_idle >= total - ROUNDS, \
+                f"queue-depth routing sent {total - to_idle} of {total} to the busy worker: {why}"
     ours, shuffle = measured["ours"], measured["shuffle"]
     # Ours may send up to ROUNDS requests to the busy worker (asserted above), and each of those waits as long
     # as shuffle's slowest: a p99 of 18 samples is their maximum, which one such request decides (CI saw
@@ -251,7 +253,8 @@ async def test_sigkill_loses_no_request_and_restarted_worker_rejoins(fleet):
                     s = await c.completions.create(model=MODEL, prompt=f"Number {i}:", max_tokens=3, stream=True)
                     text = "".join([ch.choices[0].text or "" async for ch in s if ch.choices])
                 else:
-                    text = (await c.completions.create(model=MODEL, prompt=f"Number {i}:", max_tokens=3)).choices[0].text
+                    answer = await c.completions.create(model=MODEL, prompt=f"Number {i}:", max_tokens=3)
+                    text = answer.choices[0].text
                 outcomes[name].append(("ok", text, stream))
             except Exception as exc:  # recorded, asserted below: a lost request fails the test
                 outcomes[name].append(("lost", repr(exc), stream))
