@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+
+def batch_defaults(hopper: bool, serving: bool) -> tuple[int, int]:
+    """(max_num_seqs, max_num_batched_tokens) as vLLM picks them (EngineArgs.get_batch_defaults): on a
+    Hopper-class GPU 1024 sequences and 16,384 tokens offline, 8,192 for its API server; elsewhere 256 / 2,048."""
+    if hopper:
+        return 1024, 8192 if serving else 16384
+    return 256, 2048
 
 
 @dataclass
@@ -11,8 +19,9 @@ class EngineConfig:
     dtype: str = "auto"  # auto: the checkpoint's dtype on GPU, float32 on CPU
     device: str = "auto"  # auto: cuda if available, else cpu
     max_model_len: int | None = None  # None: the model's max_position_embeddings, capped at 8192
-    max_num_seqs: int = 256  # sequences in one step
-    max_num_batched_tokens: int = 2048  # token budget of one step (prefill chunks + decodes)
+    max_num_seqs: int | None = None  # sequences in one step; None: batch_defaults for the device
+    max_num_batched_tokens: int | None = None  # token budget of one step (prefill chunks + decodes); None: auto
+    serving: bool = False  # set by `pagefleet serve`: the batch defaults of vLLM's API server
     block_size: int = 16  # tokens per KV block
     enable_prefix_caching: bool = True
     enforce_eager: bool = False  # no CUDA graphs
@@ -29,6 +38,12 @@ class EngineConfig:
     compile_workers: int | None = None
     cpu_threads: int | None = None  # torch threads on CPU; default half the cores (server and tokenizer need the rest)
 
+    def with_batch_defaults(self, hopper: bool) -> EngineConfig:
+        """The config with max_num_seqs / max_num_batched_tokens left at None set for the device (once, at start)."""
+        seqs, tokens = batch_defaults(hopper, self.serving)
+        return replace(self, max_num_seqs=self.max_num_seqs or seqs,
+                       max_num_batched_tokens=self.max_num_batched_tokens or tokens)
+
     def validate(self) -> EngineConfig:
         def need(ok: bool, message: str) -> None:
             if not ok:
@@ -40,8 +55,9 @@ class EngineConfig:
              f"device must be auto, cpu or cuda[:N], got {self.device!r}")
         need(self.max_model_len is None or self.max_model_len > 0,
              f"max_model_len must be > 0, got {self.max_model_len}")
-        need(self.max_num_seqs > 0, f"max_num_seqs must be > 0, got {self.max_num_seqs}")
-        need(self.max_num_batched_tokens > 0, f"max_num_batched_tokens must be > 0, got {self.max_num_batched_tokens}")
+        need(self.max_num_seqs is None or self.max_num_seqs > 0, f"max_num_seqs must be > 0, got {self.max_num_seqs}")
+        need(self.max_num_batched_tokens is None or self.max_num_batched_tokens > 0,
+             f"max_num_batched_tokens must be > 0, got {self.max_num_batched_tokens}")
         need(self.block_size in (8, 16, 32, 64, 128),
              f"block_size must be one of 8, 16, 32, 64, 128, got {self.block_size}")
         need(0.0 < self.gpu_memory_fraction <= 1.0,

@@ -52,6 +52,7 @@ class LLMEngine(EngineStep):
         self.text_decoder = text_decoder(self.tokenizer)
         tokenizer_seconds = time.perf_counter() - tokenizer_start
         self.runner = ModelRunner(config, self.model_config, self.model_path, self.max_model_len, compile_workers)
+        self.config = config = self.runner.config  # batch defaults resolved for the device
         if self.runner.device.type == "cuda":
             t = self.runner.start_seconds
             print(f"pagefleet: engine up in {time.perf_counter() - start:.1f}s: tokenizer {tokenizer_seconds:.1f}s, "

@@ -80,6 +80,7 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = engine_config_from_args(args)
+        config.serving = True  # vLLM's API-server batch defaults
     except ValueError as e:
         print(f"pagefleet serve: {e}")
         return 2

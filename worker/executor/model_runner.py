@@ -62,10 +62,11 @@ class ModelRunner:
         """model_path None: random weights (a compile worker's twin, startup/compile_workers.py). compile_workers:
         the running CompileWorkers, waited for before the KV cache is sized. compile_share (i, n): a compile
         worker's slice of the warm-up steps and graph captures."""
-        self.config = config
+        self.device = resolve_device(config.device)
+        hopper = self.device.type == "cuda" and torch.cuda.get_device_capability(self.device)[0] == 9
+        self.config = config = config.with_batch_defaults(hopper)  # LLMEngine schedules with these
         self.model_config = model_config
         self.max_model_len = max_model_len
-        self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, model_config.dtype, self.device)
         self.block_size = config.block_size
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
