@@ -389,6 +389,69 @@ def test_server_still_answers_after_bad_input(server):
     assert httpx.get(server.url + "/health").status_code == 200
 
 
+CHAT = {"messages": [{"role": "user", "content": "hi"}]}
+REFUSED = [  # (path, fields that change what is generated and that the server does not implement)
+    ("/v1/chat/completions", {"response_format": {"type": "json_object"}}),
+    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}),
+    ("/v1/chat/completions", {"tool_choice": "required"}),
+    ("/v1/chat/completions", {"functions": [{"name": "f"}]}),
+    ("/v1/chat/completions", {"function_call": "auto"}),
+    ("/v1/chat/completions", {"prediction": {"type": "content", "content": "x"}}),
+    ("/v1/chat/completions", {"audio": {"voice": "alloy", "format": "wav"}}),
+    ("/v1/chat/completions", {"modalities": ["text", "audio"]}),
+    ("/v1/chat/completions", {"reasoning_effort": "high"}),
+    ("/v1/chat/completions", {"web_search_options": {}}),
+    ("/v1/chat/completions", {"verbosity": "low"}),
+    ("/v1/chat/completions", {"best_of": 3}),
+    ("/v1/chat/completions", {"echo": True}),
+    ("/v1/chat/completions", {"chat_template": "{{ messages }}"}),
+    ("/v1/completions", {"use_beam_search": True}),
+    ("/v1/completions", {"guided_json": {"type": "object"}}),
+    ("/v1/completions", {"guided_choice": ["a", "b"]}),
+    ("/v1/completions", {"allowed_token_ids": [1, 2]}),
+    ("/v1/completions", {"bad_words": ["x"]}),
+    ("/v1/completions", {"prompt_logprobs": 1}),
+    ("/v1/completions", {"include_stop_str_in_output": True}),
+    ("/v1/completions", {"logit_bias": {"x": 1}}),
+    ("/v1/completions", {"logit_bias": {"1": 101}}),
+    ("/v1/completions", {"logit_bias": {str(10**7): 1}}),
+    ("/v1/completions", {"logit_bias": {str(t): 1 for t in range(301)}}),
+]
+
+
+@pytest.mark.parametrize("path,fields", REFUSED, ids=[next(iter(f)) for _, f in REFUSED])
+def test_unsupported_generation_fields_get_a_400_naming_them(server, path, fields):
+    body = {**(CHAT if "chat" in path else {"prompt": "hi"}), "max_tokens": 2, **fields}
+    r = httpx.post(server.url + path, json=body, headers=AUTH, timeout=30)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == next(iter(fields))
+
+
+def test_fields_that_ask_for_nothing_or_change_nothing_are_accepted(server):
+    """The refused fields at their do-nothing values, and fields that change nothing generated."""
+    body = {**CHAT, "max_tokens": 2, "response_format": {"type": "text"}, "tools": [], "tool_choice": "none",
+            "modalities": ["text"], "user": "u1", "metadata": {"k": "v"}, "store": False, "service_tier": "auto",
+            "parallel_tool_calls": True, "logit_bias": {}}
+    r = httpx.post(server.url + "/v1/chat/completions", json=body, headers=AUTH, timeout=60)
+    assert r.status_code == 200, r.text
+
+
+def test_logit_bias_is_honoured(server, llm, tokenizer):
+    """+100 on one token makes every greedy token that one; -100 on the greedy first token gives the
+    offline engine's choice with that bias."""
+    client = server.client()
+    target = tokenizer.encode(" banana")[0]
+    r = client.completions.create(model="smol", prompt="Apples are", max_tokens=5, temperature=0,
+                                  logit_bias={str(target): 100}, extra_body={"ignore_eos": True})
+    assert r.choices[0].text == tokenizer.decode([target] * 5)
+    first = llm.generate(["Apples are"], greedy(1))[0].outputs[0].token_ids[0]
+    want = llm.generate(["Apples are"], greedy(3, logit_bias={first: -100}, ignore_eos=True))[0].outputs[0]
+    assert want.token_ids[0] != first
+    banned = client.completions.create(model="smol", prompt="Apples are", max_tokens=3, temperature=0,
+                                       logit_bias={str(first): -100}, extra_body={"ignore_eos": True})
+    assert banned.choices[0].text == want.text
+
+
 def test_api_key(server):
     for path in ("/v1/models",):
         assert httpx.get(server.url + path).status_code == 401

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from pagefleet.worker.core.sampling_params import SamplingParams
 
@@ -53,8 +53,8 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
 
 
 class _Request(BaseModel):
-    # Unknown OpenAI fields (user, metadata, ...) are accepted and ignored, as vLLM does;
-    # NaN / Infinity (which Python's json parser accepts) never reach the sampler.
+    # Unknown fields that change nothing generated (user, metadata, ...) are accepted and ignored, as vLLM
+    # does; NaN / Infinity (which Python's json parser accepts) never reach the sampler.
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
@@ -62,7 +62,43 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
+def _off(*values):
+    """A refused field's values that ask for nothing (None always does)."""
+    return lambda v, req: v in values
+
+
+# Fields of OpenAI's chat / completions requests (and vLLM's extensions) that change what is generated and that
+# we do not implement: refused with a 400 naming them unless they ask for nothing. Fields that change nothing
+# generated (user, metadata, store, service_tier, parallel_tool_calls, prompt_cache_key ...) stay accepted.
+UNSUPPORTED: dict[str, Any] = {
+    "response_format": lambda v, req: isinstance(v, dict) and v.get("type") == "text" and len(v) == 1,
+    "best_of": lambda v, req: v == req.n,  # chat only: completions declare it (and the route checks it)
+    "tools": _off([]), "tool_choice": _off("none"), "functions": _off([]), "function_call": _off("none"),
+    "prediction": _off(), "audio": _off(), "modalities": _off(["text"]), "reasoning_effort": _off(),
+    "web_search_options": _off(), "verbosity": _off(),
+    # vLLM's extensions
+    "use_beam_search": _off(False), "length_penalty": _off(1.0), "bad_words": _off([]),
+    "allowed_token_ids": _off(), "prompt_logprobs": _off(), "logits_processors": _off([]),
+    "guided_json": _off(), "guided_regex": _off(), "guided_choice": _off(), "guided_grammar": _off(),
+    "structured_outputs": _off(), "include_stop_str_in_output": _off(False),
+    "spaces_between_special_tokens": _off(True), "truncate_prompt_tokens": _off(),
+    "echo": _off(False), "continue_final_message": _off(False), "add_generation_prompt": _off(True),
+    "chat_template": _off(), "chat_template_kwargs": _off({}), "documents": _off(),  # chat's prompt
+}
+
+
 class _SamplingRequest(_Request):
+    _unsupported: dict[str, Any] = PrivateAttr(default_factory=dict)  # the UNSUPPORTED fields the body set
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _keep_unsupported(cls, data: Any, handler):
+        """Extra fields stay out of the model (and of its schema); those in UNSUPPORTED are kept aside."""
+        request = handler(data)
+        if isinstance(data, dict):
+            request._unsupported = {k: data[k] for k in data.keys() & UNSUPPORTED.keys()}
+        return request
+
     model: str | None = None
     n: int = 1
     temperature: float | None = None
@@ -75,6 +111,7 @@ class _SamplingRequest(_Request):
     seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
+    logit_bias: dict[str, float] | None = None  # token id (a JSON key, so a string) -> bias in [-100, 100]
     ignore_eos: bool = False
     min_tokens: int = 0
     skip_special_tokens: bool = True
@@ -144,6 +181,15 @@ _PARAM_RE = re.compile(r"^([a-z_]+)\b")
 def sampling_params(req: _SamplingRequest, max_tokens: int | None, logprobs: int | None,
                     max_num_seqs: int, vocab_size: int) -> SamplingParams:
     """Build and validate the engine's SamplingParams; every rejection is a 400 with its param."""
+    for name, value in sorted(req._unsupported.items()):
+        if value is not None and not UNSUPPORTED[name](value, req):
+            raise APIError(400, f"{name} is not supported by this server; leave it out", param=name)
+    logit_bias = None
+    if req.logit_bias:
+        try:
+            logit_bias = {int(t): b for t, b in req.logit_bias.items()}
+        except ValueError:
+            raise APIError(400, "logit_bias keys must be token ids", param="logit_bias") from None
     if not 1 <= req.n <= max_num_seqs:
         raise APIError(400, f"n must be between 1 and max_num_seqs ({max_num_seqs}), got {req.n}", param="n")
     if max_tokens is not None and max_tokens < 1:
@@ -177,10 +223,11 @@ def sampling_params(req: _SamplingRequest, max_tokens: int | None, logprobs: int
         max_tokens=max_tokens,
         min_tokens=req.min_tokens,
         logprobs=logprobs,
+        logit_bias=logit_bias,
         skip_special_tokens=req.skip_special_tokens,
     )
     try:
-        params.validate()
+        params.validate(vocab_size)
     except ValueError as e:
         m = _PARAM_RE.match(str(e))
         param = getattr(e, "param", None) or (m.group(1) if m else None)
