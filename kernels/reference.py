@@ -1,7 +1,9 @@
 """Plain-torch versions of every kernel in this package.
 
 They are the ground truth the Triton kernels are tested against, and the engine's CPU path,
-so they are vectorised over the batch where that is cheap. Layouts (the contract with the engine):
+so they are vectorised over the batch where that is cheap. Over 300 lines: one reference for each kernel,
+kept in one module so a kernel's test and the CPU path find every one in the same place.
+Layouts (the contract with the engine):
   k_cache, v_cache  [num_blocks, block_size, num_kv_heads, head_dim]
   slot_mapping      int64 [num_new_tokens], slot = block_id * block_size + offset, -1 = skip
   block_tables      int32 [num_seqs, max_blocks_per_seq], padded with 0 or -1

@@ -42,6 +42,7 @@ class PendingTokens:
     device: torch.Tensor
     host: Sampled  # host copies, filled behind the event
     event: object | None
+    tokens: list[int] | None = None  # the host's list, once read
 
     def read(self) -> list[int]:
         if self.event is not None:
