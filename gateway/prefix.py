@@ -4,8 +4,8 @@ Pure bookkeeping, no servers. A prompt is cut into full blocks (tokens, or text 
 them: `gateway/prefix_keys.py`); block i's hash covers blocks 0..i, as the worker's own prefix hashes do
 (worker/core/block_manager.py), so two prompts share a hash exactly when they share everything up to
 that block. The gateway records each routed prompt's chain under the worker it chose, in an LRU bounded
-by that worker's reported KV capacity (`num_blocks` on `/load`), and estimates a newcomer's hit on each
-worker as the leading run of its chain found there.
+by that worker's reported KV capacity (`num_blocks` on `/load`, in the keys' units: `capacity`), and
+estimates a newcomer's hit on each worker as the leading run of its chain found there.
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ class Lookup:
 
     chains: dict[str, list[int]] = field(default_factory=dict)  # worker -> chain, in that worker's block size
     hits: dict[str, float] = field(default_factory=dict)  # worker -> expected hit blocks / chain blocks
-    capacity: dict[str, int] = field(default_factory=dict)  # worker -> its KV blocks, the LRU bound
+    capacity: dict[str, int] = field(default_factory=dict)  # worker -> the LRU bound: its KV blocks, in keys
     held: dict[str, int] = field(default_factory=dict)  # worker -> blocks the index expects it to cache
 
 
@@ -117,7 +117,7 @@ class PrefixAffinity:
             chain = by_size[size]
             out.chains[w.url] = chain
             out.hits[w.url] = self.index.hit_blocks(w.url, chain) / len(chain) if chain else 0.0
-            out.capacity[w.url] = w.num_blocks or DEFAULT_CAPACITY_BLOCKS
+            out.capacity[w.url] = self.keys.capacity(w.num_blocks) if w.num_blocks else DEFAULT_CAPACITY_BLOCKS
             out.held[w.url] = len(self.index.blocks.get(w.url, ()))
         return out
 

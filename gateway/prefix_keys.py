@@ -14,9 +14,18 @@ from pathlib import Path
 from pagefleet.gateway.prefix import text_blocks, token_blocks
 
 # A chunk stands for a block of about this many characters per token. Text varies (SmolLM2's tokenizer:
-# 3.0-3.4 on this repository's markdown, 6.4 on the word-list prompts of e2e/bench_prefix_routing.py);
-# the estimated hit share depends little on it while prompts are long against a chunk.
+# 3.0-3.4 on this repository's markdown, 4.8-5.8 on the chat prompts of e2e/bench_prefix_routing.py, 6.4
+# on its bare word lists); the estimated hit share depends little on it while prompts are long against a chunk.
 CHARS_PER_TOKEN = 4
+# The LRU bound of a worker's text chunks assumes text this long per token, so the index remembers at
+# least what the worker caches. The two errors cost differently: a prefix the index forgot while the worker
+# still holds it sends its next request to any worker, a miss that also copies the prefix onto a second
+# worker and evicts what that one held (bounded at 4 chars a token, the index expected 0.39 of the prompt
+# tokens of e2e/test_prefix_routing.py's shared system prompts, 5.8 chars a token, to hit where the workers
+# hit 0.53, and routed 19 of 48 requests as if nobody held their prompt, 8 being first uses); a prefix the
+# index remembers after the worker evicted it sends the request back to that worker, the one miss any
+# worker would pay, and the prefix is cached there again.
+LONGEST_CHARS_PER_TOKEN = 8
 
 
 def _flat(content) -> str:
@@ -61,6 +70,10 @@ class TextKeys:
     def blocks(self, messages: list[dict] | None, chat: bool, block_size: int) -> list[bytes]:
         return text_blocks(canonical_text(prompt_of(messages, chat)), block_size * CHARS_PER_TOKEN)
 
+    def capacity(self, num_blocks: int) -> int:
+        """The chunks a worker of `num_blocks` KV blocks may hold: its blocks at LONGEST_CHARS_PER_TOKEN."""
+        return num_blocks * LONGEST_CHARS_PER_TOKEN // CHARS_PER_TOKEN
+
 
 class TokenKeys:
     """The model's tokenizer and chat template, loaded once from the model's folder."""
@@ -104,6 +117,10 @@ class TokenKeys:
 
     def blocks(self, messages: list[dict] | None, chat: bool, block_size: int) -> list[bytes]:
         return token_blocks(self.encode(prompt_of(messages, chat)), block_size)
+
+    def capacity(self, num_blocks: int) -> int:
+        """Keys are the worker's own blocks."""
+        return num_blocks
 
 
 def _raise(message: str):

@@ -146,6 +146,22 @@ def test_workers_of_another_block_size_get_their_own_chain():
     assert len(lookup.chains["a"]) in (2 * len(lookup.chains["b"]), 2 * len(lookup.chains["b"]) + 1)
 
 
+def test_the_text_index_remembers_what_a_worker_caches_of_long_tokened_text():
+    """Four prompts of 12 blocks at 6 characters a token fill 48 of a worker's 64 blocks; in 64-character
+    chunks they are 72 chunks, so a bound of 64 chunks would forget the first while the worker holds it."""
+    affinity = PrefixAffinity(TextKeys())
+    loads = [WorkerLoad(url="a", up=True, max_num_seqs=4, block_size=16, num_blocks=64)]
+    prompts = [[{"role": "system", "content": f"{i} {'tenant instructions ' * 60}"[:12 * 16 * 6]}] for i in range(8)]
+    for prompt in prompts[:4]:
+        affinity.record("a", affinity.lookup(loads, "m", prompt, True))
+    assert affinity.lookup(loads, "m", prompts[0], True).hits["a"] == 1.0
+    assert TextKeys().capacity(64) == 128 and TokenKeys.capacity(None, 64) == 64
+    for prompt in prompts[4:]:  # 144 chunks: past even the generous bound, the oldest go
+        affinity.record("a", affinity.lookup(loads, "m", prompt, True))
+    assert affinity.lookup(loads, "m", prompts[0], True).hits["a"] < 1.0
+    assert len(affinity.index.blocks["a"]) == 128
+
+
 def strategy_over(urls: list[str], seed: int = 0) -> tuple[QueueDepthStrategy, list[dict]]:
     prober = Prober(interval_s=10)
     for url in urls:
