@@ -103,7 +103,7 @@ class Cluster:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             fd.close()
-            raise ClusterError(f"another `up` or `down` is working on {self.state} right now")
+            raise ClusterError(f"another `up` or `down` is working on {self.state} right now") from None
         return fd
 
     # --- up --------------------------------------------------------------------------------

@@ -9,9 +9,9 @@ import secrets
 import socket
 import ssl
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import httpx
 

@@ -112,7 +112,8 @@ class PodRuntime:
         event = {
             "apiVersion": "v1", "kind": "Event", "type": "Warning", "reason": reason, "message": message,
             "metadata": {"generateName": meta["name"] + ".", "namespace": meta["namespace"]},
-            "involvedObject": {"apiVersion": "v1", "kind": "Pod", "name": meta["name"], "namespace": meta["namespace"], "uid": self.uid},
+            "involvedObject": {"apiVersion": "v1", "kind": "Pod", "name": meta["name"], "namespace": meta["namespace"],
+                               "uid": self.uid},
             "source": {"component": "kubelet", "host": self.pod["spec"].get("nodeName", "")},
             "firstTimestamp": now, "lastTimestamp": now, "count": 1,
         }

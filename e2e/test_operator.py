@@ -249,14 +249,17 @@ BAD_SPECS = [
       "lora": {"hostPath": {"path": "/a"}, "adapters": [{"name": "x", "path": "x1"}, {"name": "x", "path": "x2"}]}},
      "spec.lora.adapters names must be unique"),
     ("adapter named as the model",
-     {"model": {"name": "m", "hostPath": {"path": "/m"}}, "lora": {"hostPath": {"path": "/a"}, "adapters": [{"name": "m", "path": "x"}]}},
+     {"model": {"name": "m", "hostPath": {"path": "/m"}},
+      "lora": {"hostPath": {"path": "/a"}, "adapters": [{"name": "m", "path": "x"}]}},
      "spec.lora.adapters names must differ from spec.model.name"),
     ("adapter path escaping its source",
-     {"model": {"name": "m", "hostPath": {"path": "/m"}}, "lora": {"pvc": {"claimName": "c"}, "adapters": [{"name": "x", "path": "../x"}]}},
+     {"model": {"name": "m", "hostPath": {"path": "/m"}},
+      "lora": {"pvc": {"claimName": "c"}, "adapters": [{"name": "x", "path": "../x"}]}},
      "spec.lora.adapters[].path must be relative"),
     ("fewer slots than adapters",
      {"model": {"name": "m", "hostPath": {"path": "/m"}},
-      "lora": {"hostPath": {"path": "/a"}, "maxLoras": 1, "adapters": [{"name": "x", "path": "x"}, {"name": "z", "path": "z"}]}},
+      "lora": {"hostPath": {"path": "/a"}, "maxLoras": 1,
+               "adapters": [{"name": "x", "path": "x"}, {"name": "z", "path": "z"}]}},
      "spec.lora.maxLoras must be at least the number of adapters"),
 ]
 
@@ -275,7 +278,8 @@ def test_valid_spec_gets_defaults(cluster, namespace):
     body = {"apiVersion": "pagefleet.io/v1alpha1", "kind": "InferenceService", "metadata": {"name": "defaults"},
             "spec": {"model": {"name": "m", "hostPath": {"path": "/m"}},
                      "autoscaling": {"maxReplicas": 3}, "resources": {"cpu": 2, "memory": "1Gi"},
-                     "lora": {"pvc": {"claimName": "adapters"}, "adapters": [{"name": "sql", "path": "sql"}, {"name": "de", "path": "de/v1"}]}}}
+                     "lora": {"pvc": {"claimName": "adapters"},
+                              "adapters": [{"name": "sql", "path": "sql"}, {"name": "de", "path": "de/v1"}]}}}
     result = kubectl(cluster, "apply", "-n", namespace, "--dry-run=server", "-o", "json", "-f", "-",
                      input=yaml.safe_dump(body))
     spec = json.loads(result.stdout)["spec"]
@@ -426,7 +430,8 @@ def test_lora_adapters_are_served_by_name_and_swapped_without_restarts(cluster, 
     make_adapters(bundled_model, tmp_path / "adapters", [("terse", 0.05), ("chatty", 0.15)])
     served = f"smol-lora-{uuid.uuid4().hex[:4]}"
     source = {"hostPath": {"path": str(tmp_path / "adapters")}}
-    body = inference_service("lora", bundled_model, served, lora={**source, "adapters": [{"name": "terse", "path": "terse"}]})
+    body = inference_service("lora", bundled_model, served,
+                             lora={**source, "adapters": [{"name": "terse", "path": "terse"}]})
     assert apply(cluster, namespace, body).returncode == 0
     try:
         obj = wait_ready(cluster, namespace, "lora", operator)
@@ -475,7 +480,8 @@ def test_lora_adapters_are_served_by_name_and_swapped_without_restarts(cluster, 
         assert kids["services"][0]["metadata"]["annotations"]["pagefleet.io/lora-adapters"] == "chatty"
         # an adapter the worker cannot load: status.lora says which and why, the served ones stay served
         kubectl(cluster, "patch", "infsvc", "lora", "-n", namespace, "--type=merge", "-p", json.dumps(
-            {"spec": {"lora": {"adapters": [{"name": "chatty", "path": "chatty"}, {"name": "nothing", "path": "nothing"}]}}}))
+            {"spec": {"lora": {"adapters": [{"name": "chatty", "path": "chatty"},
+                                            {"name": "nothing", "path": "nothing"}]}}}))
         broken = wait_for("status.lora to report the bad adapter",
                           lambda: (lora_status() or {}).get("message") and lora_status(), 30, on_timeout=lora_status)
         assert broken["workersInSync"] == "0/1" and "nothing on " in broken["message"], broken
@@ -655,7 +661,8 @@ def test_kopf_run_module_entry_point(cluster, crd, tmp_path):
     with open(log_path, "w") as log:
         process = subprocess.Popen(
             [sys.executable, "-m", "kopf", "run", "-m", "pagefleet.operator", "--standalone", "--namespace", ns],
-            stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env={**cluster_env(cluster), "PAGEFLEET_STATUS_INTERVAL": "1"})
+            stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+            env={**cluster_env(cluster), "PAGEFLEET_STATUS_INTERVAL": "1"})
     try:
         body = {"apiVersion": "pagefleet.io/v1alpha1", "kind": "InferenceService", "metadata": {"name": "idle"},
                 "spec": {"model": {"name": "idle", "hostPath": {"path": "/nonexistent/idle"}}, "replicas": 0}}

@@ -1,9 +1,8 @@
 """ruff over the repository ([tool.ruff] in pyproject.toml), one test per area so a failure says where.
 
 An area is a top-level folder, or one package of worker/ or tests/ (worker/core, tests/engine, ...); files
-at the root are the area ".". Areas in LINT_PENDING still hold violations and are expected to fail; once
-`ruff check --fix` and line wrapping leave one clean, its test passes unexpectedly and fails the run, so
-the area is dropped from the set.
+at the root are the area ".". Every area must be clean: `ruff check --fix PATH` sorts imports, and long lines
+are wrapped by hand.
 """
 
 from __future__ import annotations
@@ -17,10 +16,6 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SPLIT = ("worker", "tests")  # folders whose packages are areas of their own
-LINT_PENDING = {
-    "benchmarks", "e2e", "gateway", "worker/entrypoints", "worker/executor",
-    "tests/executor", "tests/gateway", "tests/models", "tests/operator",
-}
 
 
 def area_of(rel: str) -> str:
@@ -38,7 +33,7 @@ def areas() -> list[str]:
         rel = path.relative_to(ROOT)
         if not any(p.startswith(".") or p.endswith(".egg-info") for p in rel.parts):
             found.add(area_of(rel.as_posix()))
-    return sorted(found | LINT_PENDING)
+    return sorted(found)
 
 
 @functools.cache
@@ -56,15 +51,7 @@ def violations() -> dict[str, list[str]]:
     return by_area
 
 
-def case(area: str):
-    if area in LINT_PENDING:
-        return pytest.param(area, marks=pytest.mark.xfail(
-            strict=True, reason=f"lint left in {area}/: `ruff check --fix {area}`, wrap the long lines, then drop "
-                                f"{area!r} from LINT_PENDING"))
-    return area
-
-
-@pytest.mark.parametrize("area", [case(a) for a in areas()])
+@pytest.mark.parametrize("area", areas())
 def test_ruff_finds_nothing(area):
     found = violations().get(area, [])
     assert not found, f"ruff check finds {len(found)} in {area}/:\n" + "\n".join(found)

@@ -61,7 +61,8 @@ def test_gateway_never_imports_torch_or_the_worker(tmp_path):
     code = ("import sys\n"
             "import pagefleet.gateway.app, pagefleet.gateway.strategy, pagefleet.gateway.membership\n"
             "from litellm.proxy import proxy_server\n"
-            "bad = [m for m in sys.modules if m == 'torch' or m.startswith(('pagefleet.worker', 'pagefleet.kernels'))]\n"
+            "bad = [m for m in sys.modules\n"
+            "       if m == 'torch' or m.startswith(('pagefleet.worker', 'pagefleet.kernels'))]\n"
             "print(bad)\n")
     # cwd outside the checkout: its top-level operator/ would shadow the standard library's operator.
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path,

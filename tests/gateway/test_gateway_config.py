@@ -7,8 +7,14 @@ import yaml
 
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 
-from pagefleet.gateway.config import (WORKER_URL_KEY, ProxySettings, deployment, litellm_config,  # noqa: E402
-                                      normalise_worker_url, write_config)
+from pagefleet.gateway.config import (  # noqa: E402
+    WORKER_URL_KEY,
+    ProxySettings,
+    deployment,
+    litellm_config,
+    normalise_worker_url,
+    write_config,
+)
 
 
 def test_worker_urls_are_normalised_or_refused():

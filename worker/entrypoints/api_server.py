@@ -17,11 +17,20 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pagefleet.worker.entrypoints.streaming import Generation, generate
 from pagefleet.worker.entrypoints.lora_api import add_lora_routes
 from pagefleet.worker.entrypoints.metrics import CONTENT_TYPE, ServerMetrics
-from pagefleet.worker.entrypoints.protocol import (ERROR_RESPONSES, APIError, ChatCompletionRequest, CompletionRequest,
-                                       DetokenizeRequest, TokenizeRequest, error_body, message_dicts, sampling_params)
+from pagefleet.worker.entrypoints.protocol import (
+    ERROR_RESPONSES,
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    error_body,
+    message_dicts,
+    sampling_params,
+)
+from pagefleet.worker.entrypoints.streaming import Generation, generate
 
 log = logging.getLogger("pagefleet.server")
 
@@ -190,7 +199,8 @@ def build_app(engine, served_model_name: str | list[str] | None = None, api_key:
         for ids in prompts:
             state.check_prompt(ids, body.max_tokens, "prompt")
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return await generate(state, request, False, model, prompts, params, body.stream, include_usage, state.lora_for(model))
+        return await generate(state, request, False, model, prompts, params, body.stream, include_usage,
+                              state.lora_for(model))
 
     @app.post("/v1/chat/completions", responses=ERROR_RESPONSES)
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -203,12 +213,14 @@ def build_app(engine, served_model_name: str | list[str] | None = None, api_key:
         ids = state.chat_prompt(body.messages)
         state.check_prompt(ids, max_tokens, "messages")
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return await generate(state, request, True, model, [ids], params, body.stream, include_usage, state.lora_for(model))
+        return await generate(state, request, True, model, [ids], params, body.stream, include_usage,
+                              state.lora_for(model))
 
     @app.get("/v1/models")
     async def models():
         base = [{"id": name, "object": "model", "created": 0, "owned_by": "pagefleet", "root": engine.model_name,
-                 "max_model_len": state.max_model_len, "vocab_size": state.vocab_size} for name in state.served_model_names]
+                 "max_model_len": state.max_model_len, "vocab_size": state.vocab_size}
+                for name in state.served_model_names]
         adapters = [{"id": name, "object": "model", "created": 0, "owned_by": "pagefleet", "root": name,
                      "parent": state.model_name, "max_model_len": state.max_model_len, "vocab_size": state.vocab_size}
                     for name in engine.lora_names()]
