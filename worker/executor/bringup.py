@@ -80,7 +80,7 @@ def bring_up(runner, model_path, compile_workers=None, compile_share: tuple[int,
         from pagefleet.worker.models.layers.lora import LoRAManager
 
         runner.lora = LoRAManager(runner.model, config.max_loras, config.max_lora_rank, runner.dtype, device)
-    runner.sampler = Sampler(device, config.seed, runner.model_config.eos_token_ids)
+    runner.sampler = Sampler(device, config.seed, runner.model_config.eos_token_ids, config.max_num_seqs)
     if compile_workers is not None:  # before measuring free memory: they hold some while they run
         start = time.time()
         compile_workers.wait()

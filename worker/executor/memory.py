@@ -6,6 +6,7 @@ import torch
 
 from pagefleet.worker.executor.graphs.manager import reserve_bytes
 from pagefleet.worker.executor.kv_cache import block_bytes
+from pagefleet.worker.executor.sampling_state import penalty_slot_bytes
 from pagefleet.worker.models.layers.context import forward_context
 from pagefleet.worker.models.layers.paged_attention import AttentionMetadata
 from pagefleet.worker.models.registry import ModelConfig
@@ -41,7 +42,8 @@ def profile_peak_bytes(runner, config) -> int:
         hidden = runner.model(torch.zeros(cu[-1], dtype=torch.long, device=dev), positions)
     rows = min(config.max_num_seqs, cu[-1])
     logits = runner.model.compute_logits(hidden[:rows])
-    # the sampler's widest path: sort for top-p over a full batch of rows
+    # more than the sampler's temporaries take (an fp32 copy of the penalised rows, the logprobs rows' log-softmax;
+    # it sorts nothing): a sort of a full batch of rows, as the sampler before it did, keeps that margin
     logits.float().sort(dim=-1, descending=True)[0].softmax(-1).cumsum(-1)
     torch.cuda.synchronize()
     return torch.cuda.max_memory_allocated()
@@ -49,7 +51,7 @@ def profile_peak_bytes(runner, config) -> int:
 
 def size_kv_cache(runner, config, mc: ModelConfig) -> int:
     """Number of KV blocks: forced, from the CPU byte budget, or what the GPU fraction leaves after profiling
-    and the CUDA graphs' reserve."""
+    and what is allocated after it: the CUDA graphs and the sampler's penalty slots."""
     per_block = block_bytes(mc, config.block_size, runner.dtype)
     per_seq_blocks = runner.max_blocks_per_seq
     if config.num_gpu_blocks_override:
@@ -63,7 +65,8 @@ def size_kv_cache(runner, config, mc: ModelConfig) -> int:
         weights = torch.cuda.memory_allocated()  # the model, before the profiled step's activations
         peak = profile_peak_bytes(runner, config)
         free, total = torch.cuda.mem_get_info()
-        reserve = reserve_bytes(config, mc.vocab_size, runner.dtype, peak - weights)
+        reserve = (reserve_bytes(config, mc.vocab_size, runner.dtype, peak - weights)
+                   + penalty_slot_bytes(config.max_num_seqs, mc.vocab_size))
         # our share of the card, minus what we already use at peak; never more than is actually free
         available = int(min(total * config.gpu_memory_fraction - peak - reserve,
                             free - reserve - (peak - torch.cuda.memory_allocated())))

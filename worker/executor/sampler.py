@@ -63,10 +63,10 @@ class Sampled:
 
 
 class Sampler:
-    def __init__(self, device: torch.device, seed: int, eos_token_ids: list[int]):
+    def __init__(self, device: torch.device, seed: int, eos_token_ids: list[int], max_num_seqs: int = 4):
         self.device = device
         self.eos_token_ids = eos_token_ids
-        self.state = st.SamplingState(device, seed)
+        self.state = st.SamplingState(device, seed, max_num_seqs)
         # the Triton kernel on CUDA, its reference elsewhere (imported here: CPU processes skip Triton)
         self.kernel = importlib.import_module("pagefleet.kernels.sampling") if device.type == "cuda" else ref
 

@@ -11,8 +11,10 @@ across overlapped steps.
 A sequence with penalties, logit_bias or min_tokens also gets a device slot: one int32 word per vocabulary
 entry (its output count, plus PROMPT_BIT for a prompt token, marked once at join, for the repetition
 penalty), its logit_bias entries and its min_tokens-banned ids. The sampler adds each sampled token to its
-slot's counts on the device, so penalties never need the output on the host. Slots grow by doubling
-(512 KiB each at a 128k vocabulary) outside the KV budget: only sequences that use penalties take one.
+slot's counts on the device, so penalties never need the output on the host. A slot is 512 KiB at a 128k
+vocabulary; the first sequence that needs one allocates max_num_seqs of them, which the KV budget leaves room
+for (penalty_slot_bytes, executor/memory.py). Past that, only preempted sequences holding their slots while
+others run: the slots then grow by doubling.
 """
 
 from __future__ import annotations
@@ -44,11 +46,17 @@ def _uses_penalties(seq: Sequence) -> bool:
     return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or bool(p.logit_bias)
 
 
-class PenaltySlots:
-    """The device slots: words int32 [S, V], bias ids/values [S, NB], banned ids [S, NBAN]; grown by doubling."""
+def penalty_slot_bytes(max_num_seqs: int, vocab_size: int) -> int:
+    """The slots' words for max_num_seqs sequences, which the KV budget leaves free."""
+    return max_num_seqs * vocab_size * 4
 
-    def __init__(self, device: torch.device, vocab_size: int):
-        self.device, self.vocab_size = device, vocab_size
+
+class PenaltySlots:
+    """The device slots: words int32 [S, V], bias ids/values [S, NB], banned ids [S, NBAN]; `rows` of them at
+    first, grown by doubling past that."""
+
+    def __init__(self, device: torch.device, vocab_size: int, rows: int):
+        self.device, self.vocab_size, self.rows = device, vocab_size, rows
         self.words = torch.zeros(0, vocab_size, dtype=torch.int32, device=device)
         self.bias_ids = torch.zeros(0, 1, dtype=torch.int64, device=device)
         self.bias_values = torch.zeros(0, 1, dtype=torch.float32, device=device)
@@ -75,8 +83,8 @@ class PenaltySlots:
         """A slot for seq: its prompt marked, outputs so far counted, its logit_bias and banned ids written."""
         bias = seq.params.logit_bias or {}
         if not self.free or len(bias) > self.bias_ids.shape[1] or len(banned) > self.banned.shape[1]:
-            self._grow(max(4, 2 * self.words.shape[0]) if not self.free else self.words.shape[0], len(bias),
-                       len(banned))
+            rows = 2 * self.words.shape[0] if self.words.shape[0] else self.rows
+            self._grow(rows if not self.free else self.words.shape[0], len(bias), len(banned))
         slot = self.free.pop()
         dev = self.device
         words = self.words[slot]
@@ -101,8 +109,9 @@ class PenaltySlots:
 class SamplingState:
     """Row records of the known sequences (host), their penalty slots (device), seeds for unseeded ones."""
 
-    def __init__(self, device: torch.device, seed: int):
-        self.device = device
+    def __init__(self, device: torch.device, seed: int, max_num_seqs: int = 4):
+        """max_num_seqs: the penalty slots allocated at their first use (the sequence cap)."""
+        self.device, self.max_num_seqs = device, max_num_seqs
         self.rng = random.Random(seed)  # unseeded sequences draw their seed here once: runs stay reproducible
         self.table = np.zeros((64, ROW), dtype=np.int32)
         self.free = list(range(63, -1, -1))
@@ -156,7 +165,7 @@ class SamplingState:
             rec[MIN_TOKENS] = p.min_tokens if banned else 0
             if banned or _uses_penalties(seq):
                 if self.slots is None:
-                    self.slots = PenaltySlots(self.device, vocab_size)
+                    self.slots = PenaltySlots(self.device, vocab_size, self.max_num_seqs)
                 rec[SLOT] = self.slots.join(seq, banned)
                 self.uses_penalties[seq.seq_id] = _uses_penalties(seq)
 
