@@ -3,11 +3,15 @@
 Drives running gateways with two workloads, one gateway after the other, each with its own text (no
 gateway profits from another's cached blocks):
 - multi-turn: CONVERSATIONS conversations at once, TURNS turns each, every turn re-sending the history;
-- shared system prompt: SYSTEM_PROMPTS long system prompts, each with SYSTEM_QUESTIONS distinct questions,
-  SYSTEM_CONCURRENCY requests in flight.
+- shared system prompt: SYSTEM_PROMPTS long system prompts (tenants), each with SYSTEM_QUESTIONS distinct
+  questions, all requests in one random order (tenants' arrivals interleave), SYSTEM_CONCURRENCY in flight.
 Every request is a streamed chat completion through the gateway (TTFT = first content chunk). Hit rates
 come from the workers' own `vllm:prefix_cache_queries` / `_hits` counters (tokens), read before and
-after each gateway's turn; the gateway's own estimate from its `pagefleet_gateway_prefix_*` counters.
+after each gateway's turn; the gateway's own estimate from its `pagefleet_gateway_prefix_*` counters, its
+choices from `pagefleet_gateway_routing_decisions_total`. Sizes, with SmolLM2's tokenizer and chat template
+(e2e/test_prefix_routing.py sets the workers' KV against them): a multi-turn conversation grows from ~82
+prompt tokens to ~293 tokens (18 blocks of 16) at its last answer; a shared system prompt is ~385 tokens
+(24 blocks), a question and its answer add ~35.
 
     python e2e/bench_prefix_routing.py --key sk-... --worker http://10.0.0.7:8000 --worker http://10.0.0.8:8000 \\
         --gateway queue-depth=http://gw-a:4000 --gateway prefix-aware=http://gw-b:4000
@@ -29,9 +33,10 @@ from dataclasses import dataclass, field
 
 import httpx
 
-CONVERSATIONS, TURNS, ANSWER_TOKENS = 8, 6, 8
+CONVERSATIONS, TURNS, ANSWER_TOKENS = 12, 6, 8
 THINK_S = 1.0  # a user reads and types between turns: uniform in [0, THINK_S], so turns arrive interleaved
-SYSTEM_PROMPTS, SYSTEM_QUESTIONS, SYSTEM_CONCURRENCY = 2, 8, 4
+SYSTEM_PROMPTS, SYSTEM_QUESTIONS, SYSTEM_CONCURRENCY = 8, 6, 4
+SYSTEM_SENTENCES = 32  # ~385 tokens: a tenant's instructions and examples
 WORDS = ("river station engine signal bridge tunnel valley harbor market winter summer garden library "
          "captain doctor farmer teacher painter sailor miner baker weaver copper silver timber granite "
          "northern southern eastern western ancient modern quiet busy narrow broad steep gentle early late "
@@ -61,7 +66,7 @@ class Sample:
     worker: str
     ttft_s: float
     prompt_tokens: int = 0
-    conversation: int = -1  # multi-turn: which conversation, its turns in order
+    conversation: int = -1  # multi-turn: which conversation, its turns in order; shared system: which prompt
 
 
 @dataclass
@@ -70,6 +75,7 @@ class Phase:
     samples: list[Sample] = field(default_factory=list)
     worker_delta: dict[str, dict[str, tuple[float, float]]] = field(default_factory=dict)  # workload -> url -> q, h
     estimate: dict[str, tuple[float, float]] = field(default_factory=dict)  # workload -> (expected, queried)
+    decisions: dict[str, Counter] = field(default_factory=dict)  # workload -> reason -> routing decisions
     wall_s: float = 0.0
 
 
@@ -115,19 +121,25 @@ async def multi_turn(client, url, key, model, seed: str) -> list[Sample]:
     return [s for run in runs for s in run]
 
 
-async def shared_system(client, url, key, model, seed: str) -> list[Sample]:
+def system_prompts(seed: str) -> list[str]:
     rng = random.Random(f"{seed}-system")
-    systems = [" ".join(sentence(rng, 10) for _ in range(16)) for _ in range(SYSTEM_PROMPTS)]  # ~220 tokens
-    requests = [[{"role": "system", "content": s}, {"role": "user", "content": question(rng)}]
-                for s in systems for _ in range(SYSTEM_QUESTIONS)]
+    return [" ".join(sentence(rng, 10) for _ in range(SYSTEM_SENTENCES)) for _ in range(SYSTEM_PROMPTS)]
+
+
+async def shared_system(client, url, key, model, seed: str) -> list[Sample]:
+    rng = random.Random(f"{seed}-questions")
+    requests = [(i, [{"role": "system", "content": s}, {"role": "user", "content": question(rng)}])
+                for i, s in enumerate(system_prompts(seed)) for _ in range(SYSTEM_QUESTIONS)]
     rng.shuffle(requests)
     gate = asyncio.Semaphore(SYSTEM_CONCURRENCY)
 
-    async def one(messages):
+    async def one(i, messages):
         async with gate:
-            return (await chat(client, url, key, model, messages, "shared-system"))[0]
+            sample = (await chat(client, url, key, model, messages, "shared-system"))[0]
+            sample.conversation = i
+            return sample
 
-    return list(await asyncio.gather(*(one(m) for m in requests)))
+    return list(await asyncio.gather(*(one(i, m) for i, m in requests)))
 
 
 def counters(text: str, names: tuple[str, ...]) -> dict[str, float]:
@@ -148,10 +160,16 @@ async def worker_hits(client, workers: list[str]) -> dict[str, tuple[float, floa
     return out
 
 
-async def gateway_estimate(client, url) -> tuple[float, float]:
+async def gateway_estimate(client, url) -> tuple[float, float, Counter]:
+    """(expected hit blocks, queried blocks, routing decisions by reason) so far."""
+    text = (await client.get(f"{url}/pagefleet/metrics")).text
     names = ("pagefleet_gateway_prefix_expected_hit_blocks_total", "pagefleet_gateway_prefix_query_blocks_total")
-    c = counters((await client.get(f"{url}/pagefleet/metrics")).text, names)
-    return c[names[0]], c[names[1]]
+    c = counters(text, names)
+    reasons = Counter()
+    for m in re.finditer(r'^pagefleet_gateway_routing_decisions_total\{[^}]*reason="([^"]+)"[^}]*\} (\S+)$', text,
+                         re.M):
+        reasons[m.group(1)] += int(float(m.group(2)))
+    return c[names[0]], c[names[1]], reasons
 
 
 async def run_phase(name: str, url: str, key: str, model: str, workers: list[str]) -> Phase:
@@ -165,6 +183,7 @@ async def run_phase(name: str, url: str, key: str, model: str, workers: list[str
             phase.worker_delta[workload] = {u: (after[u][0] - before[u][0], after[u][1] - before[u][1])
                                             for u in workers}
             phase.estimate[workload] = (est_after[0] - est_before[0], est_after[1] - est_before[1])
+            phase.decisions[workload] = est_after[2] - est_before[2]
     phase.wall_s = time.perf_counter() - start
     return phase
 
@@ -178,8 +197,9 @@ def ideal_hit_rate(phase: Phase, block_size: int = 16) -> float:
     """Multi-turn with every turn on the worker of the turn before: turn k finds at least turn k-1's prompt,
     in full blocks (the answer's blocks may add a little)."""
     hit = total = 0
-    for i in {s.conversation for s in phase.samples if s.workload == "multi-turn"}:
-        turns = [s.prompt_tokens for s in phase.samples if s.conversation == i]
+    multi = [s for s in phase.samples if s.workload == "multi-turn"]
+    for i in {s.conversation for s in multi}:
+        turns = [s.prompt_tokens for s in multi if s.conversation == i]
         total += sum(turns)
         hit += sum(prev // block_size * block_size for prev in turns[:-1])
     return hit / total if total else 0.0
@@ -210,6 +230,10 @@ def report(phases: list[Phase]) -> str:
         lines.append(f"{p.name:<22}{'(all)':<15}{'':>9}{'':>9}{'':>10}{'':>10}{busiest_share(p):>8.0%}"
                      f"{len(p.samples):>6}   {p.wall_s:.0f} s; multi-turn hit rate with perfect affinity "
                      f">= {ideal_hit_rate(p):.2f}")
+        for workload, reasons in p.decisions.items():
+            if reasons:
+                lines.append(f"{'':<22}{workload:<15}decisions: " + ", ".join(f"{r} {n}" for r, n in
+                                                                             sorted(reasons.items())))
     return "\n".join(lines)
 
 

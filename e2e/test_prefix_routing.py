@@ -1,12 +1,21 @@
 """Prefix-aware routing against queue-depth on the e2e control plane: two real workers, three gateways.
 
-One InferenceService of two workers (the bundled model on CPU, 80 KV blocks of 16 tokens each: together
-they hold the multi-turn working set, one alone does not) behind three `pagefleet gateway --kubernetes`:
-queue-depth, prefix-aware keyed by text chunks (the default), prefix-aware keyed by the model's tokens.
-e2e/bench_prefix_routing.py drives each in turn and prints hit rates (the workers' own counters), the
-gateway's estimate, TTFT p50/p99 and the busiest worker's share. Asserted here: what does not depend on
-the machine's speed (hit rates against queue-depth's and against perfect affinity, the share bound, the
-estimate); the timings are printed, not asserted.
+One InferenceService of two workers (the bundled model on CPU, `maxNumSeqs` 4) behind three
+`pagefleet gateway --kubernetes`: queue-depth, prefix-aware keyed by text chunks (the default), prefix-aware
+keyed by the model's tokens. e2e/bench_prefix_routing.py drives each in turn and prints hit rates (the
+workers' own counters), the gateway's estimate and choices, TTFT p50/p99 and the busiest worker's share.
+
+The KV size puts both workloads where a fleet serves more prefixes than one worker caches but fewer than
+all workers do, the regime prefix affinity is for: scattered requests put every prefix on every worker and
+LRU evicts what the next request needs; with affinity each prefix lives on one worker and the fleet caches
+twice as much. Each worker has KV_BLOCKS = 128 blocks of 16 tokens (2,048 tokens); the fleet 256.
+- Shared system prompts: 8 tenants x 24 blocks (~385 tokens) = 192 blocks, 1.5x one worker and 0.75x the
+  fleet. Scattered, each worker meets all 8 (192 > 128); with affinity 4 each, 96 blocks, plus the question
+  and answer blocks (~2 a request) of the requests since a prompt's last use.
+- Multi-turn: 12 conversations x 18 blocks at their last turn (~293 tokens) = 216 blocks, 1.7x one worker
+  and 0.84x the fleet; with affinity 6 each, 108 blocks.
+- Running: at most 4 sequences of <= 27 blocks, 108 blocks, so no preemption.
+Asserted: what does not depend on the machine's speed; the timings are printed, not asserted.
 """
 
 from __future__ import annotations
@@ -32,7 +41,7 @@ pytestmark = pytest.mark.e2e
 
 SERVED = "smol-prefix"
 MASTER_KEY = "sk-pagefleet-prefix"
-KV_BLOCKS = 80
+KV_BLOCKS = 128  # the arithmetic above
 READY_TIMEOUT = 600  # workers load the bundled model on a small shared CPU
 GATEWAYS = ("queue-depth", "prefix-text", "prefix-tokens")
 
@@ -125,11 +134,14 @@ def test_prefix_aware_routing_raises_the_hit_rate_within_the_share_bound(fleet):
     base = by_name["queue-depth"]
     for name in ("prefix-text", "prefix-tokens"):
         ours = by_name[name]
-        # Queue-depth already finds about 4/5 of the ideal on two workers (a turn lands where the one before
-        # did half the time, and the other worker holds the turn before that): the gain has that ceiling.
-        assert bench.hit_rate(ours, "multi-turn") >= 1.1 * bench.hit_rate(base, "multi-turn"), name
+        # Multi-turn: affinity reaches the ceiling of every turn finding the turn before (about 0.71); queue-depth
+        # finds 0.47-0.58 of it by chance (the other worker holds the turn before last), so the gain is bounded.
+        assert bench.hit_rate(ours, "multi-turn") > bench.hit_rate(base, "multi-turn"), name
         assert bench.hit_rate(ours, "multi-turn") >= 0.85 * bench.ideal_hit_rate(ours), name
-        assert bench.hit_rate(ours, "shared-system") >= bench.hit_rate(base, "shared-system") - 0.05, name
+        # Shared system prompts: scattered, every worker meets all 8 and evicts; with affinity each holds 4, less
+        # the prompts bounded loads copy onto the other worker (4-5 of 48 requests) and the requests that reach
+        # a worker while their prompt's first use is still in prefill: 1.08-1.47x queue-depth's.
+        assert bench.hit_rate(ours, "shared-system") > bench.hit_rate(base, "shared-system"), name
         assert bench.busiest_share(ours) <= 0.65, name
         expected, queried = ours.estimate["multi-turn"]
         assert abs(expected / queried - bench.hit_rate(ours, "multi-turn")) < 0.1, name  # the index is close
