@@ -1,4 +1,5 @@
-"""Checkpoints for the engine tests: the bundled SmolLM2 and tiny random-weight Llama / Qwen2 / Qwen3 folders.
+"""Checkpoints for the engine tests: the bundled SmolLM2, tiny random-weight Llama / Qwen2 / Qwen3 folders, and
+PEFT LoRA adapters for them (make_adapter).
 
 The tiny ones are written with transformers' own classes and save_pretrained, so our loader reads them
 exactly as it reads a user's checkpoint; they reuse the bundled tokenizer (a word-level one where the
@@ -76,3 +77,26 @@ def hf_greedy(path: Path, prompts: list[list[int]], max_new_tokens: int) -> list
                                min_new_tokens=max_new_tokens, pad_token_id=0)
             outs.append(y[0, len(ids):].tolist())
     return outs
+
+
+ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def make_adapter(base, folder, seed, rank=4, targets=ALL_TARGETS):
+    """A PEFT LoRA with random A and B (init_lora_weights=False: not a no-op), saved by PEFT itself."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    if (folder / "adapter_config.json").exists():
+        return folder
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=list(targets), lora_dropout=0.0,
+                        init_lora_weights=False)
+    peft_model = get_peft_model(model, config)
+    with torch.no_grad():  # PEFT's random B is small; make the adapter move greedy choices
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.2)
+    peft_model.save_pretrained(folder)
+    return folder

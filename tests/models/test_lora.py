@@ -4,7 +4,7 @@ prefix-cache isolation; loading and unloading while the engine runs; clear error
 import pytest
 import torch
 
-from engine_models import hf_greedy
+from engine_models import hf_greedy, make_adapter
 from pagefleet.worker import LLM, SamplingParams
 
 peft = pytest.importorskip("peft")
@@ -13,29 +13,6 @@ peft = pytest.importorskip("peft")
 BLOCKS = 200
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 PROMPTS = [list(range(200, 231)), list(range(500, 509)), list(range(40, 97))]
-
-
-ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-def make_adapter(base, folder, seed, rank=4, targets=ALL_TARGETS):
-    """A PEFT LoRA with random A and B (init_lora_weights=False: not a no-op), saved by PEFT itself."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    if (folder / "adapter_config.json").exists():
-        return folder
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=list(targets), lora_dropout=0.0,
-                        init_lora_weights=False)
-    peft_model = get_peft_model(model, config)
-    with torch.no_grad():  # PEFT's random B is small; make the adapter move greedy choices
-        for name, p in peft_model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.2)
-    peft_model.save_pretrained(folder)
-    return folder
 
 
 def peft_greedy(base, adapter, prompts, max_new_tokens=12):
@@ -179,7 +156,7 @@ def test_server_serves_loads_and_unloads_adapters(tiny_models, adapters, tmp_pat
     import httpx
     import openai
 
-    from entrypoints.test_server import AUTH, Server  # tests/ is on sys.path (tests/conftest.py)
+    from servers import AUTH, Server  # tests/ is on sys.path (tests/conftest.py)
 
     offline = LLM(str(tiny_models["llama"]), max_model_len=256, num_gpu_blocks_override=BLOCKS, enable_lora=True,
                   max_lora_rank=8)

@@ -12,7 +12,7 @@ pytest.importorskip("peft")
 
 @pytest.fixture(scope="module")
 def peft_adapters(tiny_models, tmp_path_factory):
-    from models.test_lora import make_adapter
+    from engine_models import make_adapter
 
     root = tmp_path_factory.mktemp("sync-loras")
     base = tiny_models["llama"]
@@ -21,7 +21,7 @@ def peft_adapters(tiny_models, tmp_path_factory):
 
 @pytest.mark.slow
 def test_sync_brings_a_running_worker_to_the_listed_adapters(tiny_models, peft_adapters, tmp_path):
-    from entrypoints.test_server import AUTH, Server
+    from servers import AUTH, Server
 
     server = Server(tmp_path / "server.log", "--model", str(tiny_models["llama"]), "--max-model-len", "256",
                     "--enable-lora", "--max-loras", "2", "--max-lora-rank", "8")
