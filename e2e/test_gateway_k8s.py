@@ -9,7 +9,6 @@ replicas must add the new pod to the running gateway, and deleting a pod must re
 from __future__ import annotations
 
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ import pytest
 import yaml
 
 import control_plane
+from processes import start_process, stop_process
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.e2e
@@ -29,24 +29,6 @@ pytestmark = pytest.mark.e2e
 SERVED = "smol-gw"
 MASTER_KEY = "sk-pagefleet-k8s"
 READY_TIMEOUT = 600  # workers load the bundled model on a small shared CPU
-
-
-def _start(cmd: list[str], env: dict, log_path: Path) -> subprocess.Popen:
-    log = open(log_path, "a")
-    # cwd outside the checkout: its top-level operator/ would shadow the standard library's operator.
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=log_path.parent)
-    log.close()
-    return proc
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(30)
 
 
 @pytest.fixture(scope="module")
@@ -65,19 +47,20 @@ def setup(cluster, tmp_path_factory):
     cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/inferenceservices.pagefleet.io")
     ns = f"pf-gw-{uuid.uuid4().hex[:6]}"
     cluster.kubectl("create", "namespace", ns)
-    operator = _start([sys.executable, "-m", "pagefleet", "operator", "--namespace", ns], env, tmp / "operator.log")
+    operator = start_process([sys.executable, "-m", "pagefleet", "operator", "--namespace", ns], env,
+                             tmp / "operator.log")
     port = control_plane.free_port()
-    gateway = _start([sys.executable, "-m", "pagefleet", "gateway", "--kubernetes", "--namespace", ns,
-                      "--host", "127.0.0.1", "--port", str(port), "--master-key", MASTER_KEY,
-                      "--probe-interval-ms", "200"], env, tmp / "gateway.log")
+    gateway = start_process([sys.executable, "-m", "pagefleet", "gateway", "--kubernetes", "--namespace", ns,
+                             "--host", "127.0.0.1", "--port", str(port), "--master-key", MASTER_KEY,
+                             "--probe-interval-ms", "200"], env, tmp / "gateway.log")
     handle = {"ns": ns, "model_path": model_path, "gateway": gateway, "url": f"http://127.0.0.1:{port}",
               "logs": tmp}
     try:
         yield handle
     finally:
-        _stop(gateway)
+        stop_process(gateway)
         cluster.kubectl("delete", "infsvc", "--all", "-n", ns, "--wait=false", check=False)
-        _stop(operator)
+        stop_process(operator)
         cluster.kubectl("delete", "namespace", ns, "--wait=false", check=False)
         for name in ("gateway.log", "operator.log"):
             print(f"---- {name} (tail) ----\n" + "\n".join((tmp / name).read_text(errors="replace")

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -25,6 +24,7 @@ import pytest
 import yaml
 
 import control_plane
+from processes import start_process, stop_process
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.e2e
@@ -36,29 +36,11 @@ READY_TIMEOUT = 600  # the bundled model loads on a small shared CPU
 SHORT_TIMEOUT, SHORT_QUEUE = 4, 3  # the second gateway's --cold-start-timeout-s and --cold-start-queue
 
 
-def _start(cmd: list[str], env: dict, log_path: Path) -> subprocess.Popen:
-    log = open(log_path, "a")
-    # cwd outside the checkout: its top-level operator/ would shadow the standard library's operator.
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=log_path.parent)
-    log.close()
-    return proc
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(30)
-
-
 def _gateway(ns: str, env: dict, log_path: Path, *extra: str) -> tuple[subprocess.Popen, str]:
     port = control_plane.free_port()
-    proc = _start([sys.executable, "-m", "pagefleet", "gateway", "--kubernetes", "--namespace", ns,
-                   "--host", "127.0.0.1", "--port", str(port), "--master-key", MASTER_KEY,
-                   "--probe-interval-ms", "200", *extra], env, log_path)
+    proc = start_process([sys.executable, "-m", "pagefleet", "gateway", "--kubernetes", "--namespace", ns,
+                          "--host", "127.0.0.1", "--port", str(port), "--master-key", MASTER_KEY,
+                          "--probe-interval-ms", "200", *extra], env, log_path)
     return proc, f"http://127.0.0.1:{port}"
 
 
@@ -75,8 +57,8 @@ def setup(cluster, tmp_path_factory):
     cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/inferenceservices.pagefleet.io")
     ns = f"pf-s2z-{uuid.uuid4().hex[:6]}"
     cluster.kubectl("create", "namespace", ns)
-    operator = _start([sys.executable, "-m", "pagefleet", "operator", "--namespace", ns, "--verbose"], env,
-                      tmp / "operator.log")
+    operator = start_process([sys.executable, "-m", "pagefleet", "operator", "--namespace", ns, "--verbose"], env,
+                             tmp / "operator.log")
     gateway, url = _gateway(ns, env, tmp / "gateway.log", "--cold-start-timeout-s", "300")
     short, short_url = _gateway(ns, env, tmp / "gateway-short.log", "--cold-start-timeout-s", str(SHORT_TIMEOUT),
                                 "--cold-start-queue", str(SHORT_QUEUE))
@@ -87,10 +69,10 @@ def setup(cluster, tmp_path_factory):
     try:
         yield handle
     finally:
-        _stop(gateway)
-        _stop(short)
+        stop_process(gateway)
+        stop_process(short)
         cluster.kubectl("delete", "infsvc", "--all", "-n", ns, "--wait=false", check=False)
-        _stop(operator)
+        stop_process(operator)
         cluster.kubectl("delete", "namespace", ns, "--wait=false", check=False)
         for name in ("operator.log", "gateway.log", "gateway-short.log"):
             print(f"---- {name} (tail) ----\n" + "\n".join((tmp / name).read_text(errors="replace")
