@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import httpx
+
+T = TypeVar("T")
 
 SCALE_UP = "ScaledUp"
 SCALE_DOWN = "ScaledDown"
@@ -87,18 +90,25 @@ def _reason(replicas: int, current: int, same: str) -> str:
     return same
 
 
-async def probe_waiting(endpoints: Iterable[str], timeout: float = 2.0) -> dict[str, int]:
-    """GET {endpoint}/load of each pod at once; returns endpoint -> waiting requests for those that answered."""
+async def get_each(endpoints: Iterable[str], path: str, parse: Callable[[httpx.Response], T],
+                   timeout: float = 2.0) -> dict[str, T]:
+    """GET {endpoint}{path} of each pod at once; endpoint -> parse(answer) for those that answered 200 with
+    something parse accepts (it raises ValueError, KeyError or TypeError for what it does not)."""
     endpoints = list(endpoints)
     # Pod IPs are reached directly, never through a proxy from the environment.
     async with httpx.AsyncClient(timeout=timeout, trust_env=False) as client:
-        answers = await asyncio.gather(*(client.get(f"{url}/load") for url in endpoints), return_exceptions=True)
-    waiting: dict[str, int] = {}
+        answers = await asyncio.gather(*(client.get(f"{url}{path}") for url in endpoints), return_exceptions=True)
+    parsed: dict[str, T] = {}
     for url, answer in zip(endpoints, answers, strict=True):
         if isinstance(answer, BaseException) or answer.status_code != 200:
             continue
         try:
-            waiting[url] = int(answer.json()["waiting"])
+            parsed[url] = parse(answer)
         except (ValueError, KeyError, TypeError):
             continue
-    return waiting
+    return parsed
+
+
+async def probe_waiting(endpoints: Iterable[str], timeout: float = 2.0) -> dict[str, int]:
+    """GET {endpoint}/load of each pod at once; returns endpoint -> waiting requests for those that answered."""
+    return await get_each(endpoints, "/load", lambda answer: int(answer.json()["waiting"]), timeout)

@@ -11,13 +11,12 @@ sets spec.replicas to 1 through the scale subresource (gateway/cold_start.py).
 
 from __future__ import annotations
 
-import asyncio
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
+from pagefleet.operator.autoscaler import get_each
 
 SCALED_TO_ZERO = "ScaledToZero"
 SCALED_FROM_ZERO = "ScaledFromZero"
@@ -91,15 +90,4 @@ def parse_metrics(text: str) -> Sample:
 
 async def probe(endpoints: Iterable[str], timeout: float = 2.0) -> dict[str, Sample]:
     """GET {endpoint}/metrics of each ready pod at once; endpoint -> Sample for those that answered."""
-    endpoints = list(endpoints)
-    async with httpx.AsyncClient(timeout=timeout, trust_env=False) as client:
-        answers = await asyncio.gather(*(client.get(f"{url}/metrics") for url in endpoints), return_exceptions=True)
-    samples: dict[str, Sample] = {}
-    for url, answer in zip(endpoints, answers, strict=True):
-        if isinstance(answer, BaseException) or answer.status_code != 200:
-            continue
-        try:
-            samples[url] = parse_metrics(answer.text)
-        except ValueError:
-            continue
-    return samples
+    return await get_each(endpoints, "/metrics", lambda answer: parse_metrics(answer.text), timeout)
