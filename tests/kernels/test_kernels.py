@@ -6,15 +6,13 @@ at import), so the interpreter tests run in a child process: this process, and t
 it, keep an untouched environment and an ordinary Triton.
 """
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from interpreter import run_under_interpreter
 from pagefleet.kernels import reference as ref
 
 DTYPES = [torch.float32, torch.float16]
@@ -165,10 +163,4 @@ def test_arrival_counters_grow_and_keep_the_buffers_graphs_may_hold():
 def test_triton_kernels_under_interpreter():
     """Every Triton kernel against its reference on tiny CPU shapes (fp32, fp16), in a child process."""
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    here = Path(__file__).parent
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
-                           str(here / "test_kernels_triton.py")], env=env, cwd=here.parents[1], capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
-    assert " passed" in proc.stdout and "skipped" not in proc.stdout, proc.stdout[-2000:]
+    run_under_interpreter(Path(__file__).parent / "test_kernels_triton.py", timeout=300)

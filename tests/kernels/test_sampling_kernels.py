@@ -3,15 +3,13 @@ ties, the counter-based noise; the Triton kernel compiled for Hopper, and agains
 Triton interpreter (test_sampling_triton.py, run from here in a child process, as test_kernels.py does)."""
 
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from interpreter import run_under_interpreter
 from pagefleet.kernels import reference as ref
 
 
@@ -149,10 +147,4 @@ def test_kernel_compiles_for_hopper_without_fma(dtype):
 def test_triton_sampling_under_interpreter():
     """The Triton kernel against reference.sample on tiny CPU shapes, in a child process."""
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    here = Path(__file__).parent
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
-                           str(here / "test_sampling_triton.py")], env=env, cwd=here.parents[1], capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
-    assert " passed" in proc.stdout and "skipped" not in proc.stdout, proc.stdout[-2000:]
+    run_under_interpreter(Path(__file__).parent / "test_sampling_triton.py", timeout=600)
