@@ -2,10 +2,84 @@
 
 from __future__ import annotations
 
+import json as _json
 from dataclasses import dataclass, field
 
 GREEDY_EPS = 1e-5  # temperatures below this sample greedily
 MAX_LOGIT_BIAS = 300  # entries per request, as OpenAI allows
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
+
+
+def _bad(name: str, message: str) -> ValueError:
+    err = ValueError(f"{name} {message}")
+    err.param = name  # type: ignore[attr-defined]
+    return err
+
+
+@dataclass
+class StructuredOutputsParams:
+    """One constraint on a request's output, exactly one field set: a JSON schema (dict or JSON text), any JSON
+    object, a regex, one of a list of strings, an EBNF grammar, or a structural tag (xgrammar's format)."""
+
+    json: dict | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    structural_tag: dict | str | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.choice, tuple):
+            self.choice = list(self.choice)
+        set_fields = [k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
+        if len(set_fields) != 1:
+            raise _bad("structured_outputs", f"needs exactly one of {', '.join(STRUCTURED_KINDS)}, got "
+                       + (", ".join(set_fields) if set_fields else "none"))
+        kind = set_fields[0]
+        name = f"structured_outputs.{kind}"
+        if kind == "json":
+            schema = self.json
+            if isinstance(schema, str):
+                try:
+                    schema = _json.loads(schema)
+                except ValueError as e:
+                    raise _bad(name, f"is not valid JSON: {e}") from None
+            if not isinstance(schema, dict):
+                raise _bad(name, f"must be a JSON schema object, got {type(schema).__name__}")
+        elif kind == "json_object":
+            if self.json_object is not True:
+                raise _bad(name, f"must be a boolean, got {self.json_object!r}")
+        elif kind == "choice":
+            if not isinstance(self.choice, list) or not self.choice:
+                raise _bad(name, "must be a non-empty list of strings")
+            if not all(isinstance(c, str) and c for c in self.choice):
+                raise _bad(name, "must hold non-empty strings")
+        elif kind == "structural_tag":
+            if not isinstance(self.structural_tag, (dict, str)):
+                raise _bad(name, f"must be an object or JSON text, got {type(self.structural_tag).__name__}")
+        elif not isinstance(getattr(self, kind), str) or not getattr(self, kind):
+            raise _bad(name, f"must be a non-empty string, got {getattr(self, kind)!r}")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False))
+
+    @property
+    def spec(self) -> str:
+        """The constraint as canonical text: equal constraints give equal text, so the compiled grammar is
+        cached by (kind, spec)."""
+        value = getattr(self, self.kind)
+        if self.kind in ("json", "structural_tag"):
+            value = _json.loads(value) if isinstance(value, str) else value
+            return _json.dumps(value, sort_keys=True, separators=(",", ":"))
+        if self.kind == "choice":
+            return _json.dumps(value)
+        if self.kind == "json_object":
+            return ""
+        return value
+
+    def key(self) -> tuple[str, str]:
+        return self.kind, self.spec
 
 
 @dataclass
@@ -28,6 +102,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit before penalties and sampling
     skip_special_tokens: bool = True
     detokenize: bool = True  # False: token ids only (benchmarks); stop strings then need it on
+    structured: StructuredOutputsParams | None = None  # output constrained by a grammar (json, regex, choice...)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -78,4 +153,6 @@ class SamplingParams:
              "logit_bias", "keys must be token ids" + (f" in [0, {vocab_size})" if vocab_size else ""))
         need(all(isinstance(b, (int, float)) and -100.0 <= b <= 100.0 for b in bias.values()), "logit_bias",
              "values must be in [-100, 100]")
+        need(self.structured is None or isinstance(self.structured, StructuredOutputsParams), "structured",
+             f"must be StructuredOutputsParams, got {type(self.structured).__name__}")
         return self
