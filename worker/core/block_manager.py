@@ -13,6 +13,7 @@ import numpy as np
 import xxhash
 
 from pagefleet.worker.core.sequence import Sequence
+from pagefleet.worker.core.state_slots import StateSlots
 
 
 class Block:
@@ -36,7 +37,9 @@ def block_hash(parent: int | None, token_ids: list[int], adapter_id: int = 0) ->
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 state: StateSlots | None = None):
+        """state: the state slot pool of a model with recurrent layers (None: attention only)."""
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
@@ -46,6 +49,7 @@ class BlockManager:
         self.pending_copies: list[tuple[int, int]] = []  # copy-on-write (src, dst) for the next forward
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0  # of those, found
+        self.state = state
 
     # ---- pool
 
@@ -63,6 +67,8 @@ class BlockManager:
         if block.hash is not None:  # evict: the cached content is about to be overwritten
             if self.hash_to_block.get(block.hash) == block_id:
                 del self.hash_to_block[block.hash]
+                if self.state is not None:
+                    self.state.drop_snapshot(block.hash)
             block.hash, block.token_ids = None, None
         block.ref_count = 1
         return block_id
@@ -113,7 +119,9 @@ class BlockManager:
     def match_prefix(self, seq: Sequence) -> int:
         """Take the cached full blocks that start `seq` (a sequence holding no blocks); returns tokens hit.
 
-        At least one token is always left to compute, since its logits are what the step samples from.
+        At least one token is always left to compute, since its logits are what the step samples from. With
+        recurrent state the hit ends at the last block whose boundary has a state snapshot (or is none): the
+        state there is restored, and the blocks past it would need a state nobody kept.
         """
         assert not seq.block_table
         if not self.enable_prefix_caching:
@@ -129,10 +137,14 @@ class BlockManager:
             block_id = self.hash_to_block.get(h)
             if block_id is None or self.blocks[block_id].token_ids != tuple(tokens):
                 break
-            self._ref(block_id)
             seq.block_table.append(block_id)
             hashes.append(h)
             parent = h
+        if self.state is not None:
+            keep = next((i for i in range(len(hashes), 0, -1) if self.state.has_snapshot(hashes[i - 1])), 0)
+            del seq.block_table[keep:], hashes[keep:]
+        for block_id in seq.block_table:
+            self._ref(block_id)
         seq.block_hashes = hashes
         hit = len(hashes) * bs
         seq.num_computed_tokens = seq.num_cached_tokens = hit
@@ -155,17 +167,29 @@ class BlockManager:
             if block.hash is None and h not in self.hash_to_block:
                 block.hash, block.token_ids = h, tuple(tokens)
                 self.hash_to_block[h] = block.block_id
+        if self.state is not None and seq.seq_id in self.state.pending_snapshots:
+            self.state.commit_snapshot(seq.seq_id, seq.num_computed_tokens, lambda at: self._cached_hash(seq, at))
+
+    def _cached_hash(self, seq: Sequence, num_tokens: int) -> int | None:
+        """The hash of seq's block ending at num_tokens, if the prefix cache holds that block."""
+        h = seq.block_hashes[num_tokens // self.block_size - 1]
+        return h if h in self.hash_to_block else None
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """The child shares every block of the parent, the partly filled last one too."""
         for block_id in parent.block_table:
             self._ref(block_id)
         child.block_table = list(parent.block_table)
+        if self.state is not None:  # the child's own state slot starts as a copy of the parent's
+            child.state_slot = self.state.fork(parent.state_slot)
 
     def free_sequence(self, seq: Sequence) -> None:
         # Tail first: the end of a sequence is the least likely to be shared, so it is evicted first.
         for block_id in reversed(seq.block_table):
             self._unref(block_id)
+        if seq.state_slot is not None:
+            self.state.release(seq.state_slot, seq.seq_id)
+            seq.state_slot = None
         seq.block_table = []
         seq.block_hashes = []
         seq.num_computed_tokens = 0
@@ -176,7 +200,47 @@ class BlockManager:
             block = self.blocks[block_id]
             if block.hash is not None and self.hash_to_block.get(block.hash) == block_id:
                 del self.hash_to_block[block.hash]
+                if self.state is not None:
+                    self.state.drop_snapshot(block.hash)
             block.hash, block.token_ids = None, None
+
+    # ---- state slots (models with recurrent layers)
+
+    def can_take_state_slots(self, n: int) -> bool:
+        return self.state is None or self.state.num_free >= n
+
+    def take_state_slot(self, seq: Sequence) -> None:
+        """At admission (after match_prefix and allocate): the sequence's slot, zeroed, or restored from the
+        snapshot at the end of its prefix hit."""
+        if self.state is None:
+            return
+        restore = self.state.snapshot(seq.block_hashes[-1]) if seq.num_computed_tokens else None
+        assert restore is not None or not seq.num_computed_tokens, "a prefix hit without a state snapshot"
+        seq.state_slot = self.state.take(restore)
+
+    def snapshot_boundary(self, seq: Sequence) -> int | None:
+        """Where seq's state is worth a snapshot: the end of the last full block a repeat of its tokens would hit,
+        when that is still ahead of it (None: no snapshot to take)."""
+        if self.state is None or not self.state.num_snapshots or not self.enable_prefix_caching:
+            return None
+        boundary = (seq.num_tokens - 1) // self.block_size * self.block_size
+        return boundary if boundary > seq.num_computed_tokens else None
+
+    def state_chunk(self, seq: Sequence, num_new_tokens: int) -> int:
+        """A prompt chunk that would run past seq's snapshot boundary ends there, so the state there exists."""
+        boundary = self.snapshot_boundary(seq)
+        if boundary is not None and seq.num_computed_tokens + num_new_tokens > boundary:
+            return boundary - seq.num_computed_tokens
+        return num_new_tokens
+
+    def plan_snapshot(self, seq: Sequence, num_new_tokens: int) -> None:
+        """A scheduled chunk that ends at seq's snapshot boundary: its state is copied out after the forward."""
+        boundary = self.snapshot_boundary(seq)
+        if boundary is not None and seq.num_computed_tokens + num_new_tokens == boundary:
+            self.state.plan_snapshot(seq.seq_id, seq.state_slot, boundary)
+
+    def take_state_ops(self) -> tuple[list[tuple[int, int]], list[int], list[tuple[int, int]]]:
+        return self.state.take_ops() if self.state is not None else ([], [], [])
 
     def take_copies(self) -> list[tuple[int, int]]:
         copies, self.pending_copies = self.pending_copies, []

@@ -25,6 +25,11 @@ class ScheduledBatch:
     num_new_tokens: list[int] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write block copies to run first
     preempted: list[Sequence] = field(default_factory=list)
+    # models with recurrent state (core/state_slots.py): state slot copies (src, dst) and the fresh slots to zero,
+    # both before the forward, copies first; sequence slots copied into snapshot slots after the forward
+    state_copies: list[tuple[int, int]] = field(default_factory=list)
+    state_zeros: list[int] = field(default_factory=list)
+    state_snapshots: list[tuple[int, int]] = field(default_factory=list)
 
 
 class Scheduler:
@@ -49,42 +54,52 @@ class Scheduler:
                 break
             if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            n = min(seq.num_uncomputed_tokens, budget)
+            n = self.block_manager.state_chunk(seq, min(seq.num_uncomputed_tokens, budget))
             while not self.block_manager.allocate(seq, n):
                 victim = self.running[-1]
                 self._preempt(victim, batch)
                 if victim is seq:
                     break
             if seq.status is SequenceStatus.RUNNING:
+                self.block_manager.plan_snapshot(seq, n)
                 batch.seqs.append(seq)
                 batch.num_new_tokens.append(n)
                 scheduled.add(seq.seq_id)
                 budget -= n
         # 2. Waiting requests, oldest first, unless this step already had to preempt. The samples a running
         # parent still forks count against the sequence cap: they join the batch once its prompt is done, and
-        # the decode graphs and the memory profile are sized for max_num_seqs rows.
-        num_seqs = None
+        # the decode graphs and the memory profile are sized for max_num_seqs rows. With recurrent state each
+        # sample needs its own state slot: a request waits until its samples' slots and those owed to the
+        # samples running parents still fork are free.
+        num_seqs = owed = None
         while self.waiting and budget > 0 and not batch.preempted:
             seq = self.waiting[0]
             if num_seqs is None:
-                num_seqs = len(self.running) + sum(s.pending_forks for s in self.running)
+                owed = sum(s.pending_forks for s in self.running)
+                num_seqs = len(self.running) + owed
             if num_seqs + seq.pending_forks + 1 > self.max_num_seqs and self.running:
+                break
+            if not self.block_manager.can_take_state_slots(owed + seq.pending_forks + 1):
                 break
             if not seq.block_table:
                 self.block_manager.match_prefix(seq)
-            n = min(seq.num_uncomputed_tokens, budget)
+            n = self.block_manager.state_chunk(seq, min(seq.num_uncomputed_tokens, budget))
             if not self.block_manager.allocate(seq, n):
                 self.block_manager.free_sequence(seq)  # give back the prefix hits; retry next step
                 seq.num_cached_tokens = 0
                 break
             self.waiting.popleft()
+            self.block_manager.take_state_slot(seq)
+            self.block_manager.plan_snapshot(seq, n)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             batch.seqs.append(seq)
             batch.num_new_tokens.append(n)
             budget -= n
             num_seqs += seq.pending_forks + 1
+            owed += seq.pending_forks
         batch.copies = self.block_manager.take_copies()
+        batch.state_copies, batch.state_zeros, batch.state_snapshots = self.block_manager.take_state_ops()
         _decodes_first(batch)
         return batch
 

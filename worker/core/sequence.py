@@ -35,6 +35,7 @@ class Sequence:
     num_cached_tokens: int = 0  # of those, served by the prefix cache at (re)admission
     pending_forks: int = 0  # samples still to split off once the prompt is done (n > 1 parents)
     lora_id: int = 0  # the LoRA adapter this sample runs with (0: the base model)
+    state_slot: int | None = None  # its slot of recurrent state (hybrid models) while it holds one
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     logprobs: list[TokenLogprobs] | None = None
