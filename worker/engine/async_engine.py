@@ -24,6 +24,7 @@ from pagefleet.worker.engine.stats import EngineStats
 log = logging.getLogger("pagefleet.engine")
 IDLE_WAIT_S = 0.05
 _ABORTED = object()  # the end of a stream whose request was aborted from outside
+_LATER = object()  # a loop-thread call whose future the loop resolves later (a pause that drains)
 
 
 def _put_all(puts: list) -> None:
@@ -49,6 +50,12 @@ class AsyncLLMEngine:
         self._adds_sent = 0
         self._adds_seen = 0
         self._wake = threading.Event()
+        # RL: while paused or asleep the loop steps nothing and holds new requests until resume / wake;
+        # a pause("wait") steps on, holding new requests, until what is in flight has finished
+        self._paused = False
+        self._asleep = False
+        self._drains: list[concurrent.futures.Future] = []
+        self._held: list[tuple] = []
         self._stopping = False
         self._error: BaseException | None = None
         self._stats = self.engine.stats()
@@ -62,7 +69,9 @@ class AsyncLLMEngine:
         try:
             while not self._stopping:
                 self._drain_inbox()
-                if not engine.has_unfinished_requests():
+                if self._drains and not engine.has_unfinished_requests():
+                    self._pause_drained()
+                if self._paused or self._asleep or not engine.has_unfinished_requests():
                     self._stats = engine.stats()
                     self._wake.wait(IDLE_WAIT_S)
                     self._wake.clear()
@@ -82,13 +91,19 @@ class AsyncLLMEngine:
             except queue.Empty:
                 return
             if op == "add":
-                self._adds_seen += 1
-                if request_id not in self._streams:  # aborted before the loop saw it
+                if self._paused or self._asleep or self._drains:  # added on resume / wake, in arrival order
+                    self._held.append((request_id, *rest))
                     continue
+                self._add(request_id, *rest)
+            elif op == "call":  # request_id is unused here; rest = (function of the loop thread, future)
+                fn, done = rest
                 try:
-                    self.engine.add_request(request_id, *rest)
-                except ValueError as e:
-                    self._deliver(request_id, e, True)
+                    result = fn()
+                except Exception as e:  # the caller's to report; the engine keeps serving
+                    done.set_exception(e)
+                else:
+                    if result is not _LATER:
+                        done.set_result(result)
             elif op == "lora":  # request_id is the adapter's name here; rest = (path or None, future)
                 path, done = rest
                 try:
@@ -98,6 +113,48 @@ class AsyncLLMEngine:
                     done.set_exception(e)
             else:
                 self.engine.abort_request(request_id)
+
+    def _add(self, request_id: str, *rest) -> None:
+        self._adds_seen += 1
+        if request_id not in self._streams:  # aborted before the loop saw it
+            return
+        try:
+            self.engine.add_request(request_id, *rest)
+        except ValueError as e:
+            self._deliver(request_id, e, True)
+
+    def _release_held(self) -> None:
+        if not (self._paused or self._asleep or self._drains):
+            held, self._held = self._held, []
+            for request_id, *rest in held:
+                self._add(request_id, *rest)
+
+    def _ending(self, fn):
+        """Run fn on the loop thread; the requests it ends (aborts) get their final output, finish reason
+        "abort", so no client is left waiting."""
+        before = dict(self.engine.requests)
+        try:
+            return fn()
+        finally:
+            self._deliver_step([self.engine.make_output(r, True) for request_id, r in before.items()
+                                if request_id not in self.engine.requests])
+
+    def _abort_all(self) -> None:
+        for request_id in list(self.engine.requests):
+            self.engine.abort_request(request_id)
+
+    def _pause_drained(self) -> None:
+        drains, self._drains = self._drains, []
+        try:
+            self.engine.pause("wait")  # nothing is in flight any more: the engine only marks itself paused
+        except Exception as e:
+            for done in drains:
+                done.set_exception(e)
+            self._release_held()
+            return
+        self._paused = True
+        for done in drains:
+            done.set_result(None)
 
     def _deliver_step(self, outputs: list[RequestOutput]) -> None:
         self._deliver_all([(out.request_id, out, out.finished) for out in outputs])
@@ -177,6 +234,105 @@ class AsyncLLMEngine:
 
     def lora_names(self) -> list[str]:
         return self.engine.lora_names()
+
+    # ---- RL: weight updates, pause and resume, sleep and wake, run by the loop thread between two steps
+
+    async def call(self, fn):
+        """fn() on the loop thread, between two steps; its exception is raised here."""
+        if self._error is not None:
+            raise EngineDeadError(f"engine loop stopped: {self._error}")
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._inbox.put(("call", None, fn, done))
+        self._wake.set()
+        return await asyncio.wrap_future(done)
+
+    def _update(self, fn, abort_all_requests: bool):
+        def run():
+            if abort_all_requests:
+                self._ending(self._abort_all)
+            return fn()
+        return self.call(run)
+
+    async def update_weights_from_disk(self, path: str, abort_all_requests: bool = False) -> int:
+        return await self._update(lambda: self.engine.update_weights_from_disk(path), abort_all_requests)
+
+    async def update_weights_from_tensor(self, named_tensors, abort_all_requests: bool = False) -> int:
+        """named_tensors: (name, tensor) pairs, a dict, or the string of serialize_named_tensors (CUDA IPC
+        handles are opened on the loop thread)."""
+        def run():
+            tensors = named_tensors
+            if isinstance(tensors, str):
+                from pagefleet.worker.executor.weight_transfer import deserialize_named_tensors
+
+                tensors = deserialize_named_tensors(tensors)
+            return self.engine.update_weights_from_tensor(tensors)
+        return await self._update(run, abort_all_requests)
+
+    async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
+                                        world_size: int, group_name: str = "weight_update_group",
+                                        backend: str | None = None) -> None:
+        await self.call(lambda: self.engine.init_weights_update_group(master_address, master_port, rank_offset,
+                                                                      world_size, group_name, backend))
+
+    async def update_weights_from_distributed(self, names, dtypes, shapes, group_name: str | None = None,
+                                              abort_all_requests: bool = False) -> int:
+        return await self._update(lambda: self.engine.update_weights_from_distributed(names, dtypes, shapes,
+                                                                                       group_name),
+                                  abort_all_requests)
+
+    async def pause(self, mode: str = "abort") -> None:
+        """abort: in-flight requests end now (finish reason "abort"); wait: returns once they have finished;
+        keep: they stay, unstepped, and continue on resume. New requests wait for resume in every mode."""
+        def run():
+            if self._paused or self._drains:
+                raise ValueError("the engine is paused already; resume it first")
+            if mode == "wait":
+                self._drains.append(done)
+                return _LATER  # resolved by the loop once nothing is in flight
+            self._ending(lambda: self.engine.pause(mode))
+            self._paused = True
+            return None
+
+        if self._error is not None:
+            raise EngineDeadError(f"engine loop stopped: {self._error}")
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._inbox.put(("call", None, run, done))
+        self._wake.set()
+        await asyncio.wrap_future(done)
+
+    async def resume(self) -> None:
+        def run():
+            if not self._paused:
+                raise ValueError("the engine is not paused")
+            self.engine.resume()
+            self._paused = False
+            self._release_held()
+        await self.call(run)
+
+    async def sleep(self, level: int = 1) -> None:
+        def run():
+            self.engine.sleep(level)
+            self._asleep = True
+        await self.call(run)
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        def run():
+            self.engine.wake_up(tags)
+            self._asleep = self.engine.is_sleeping  # one tag wakes one part
+            self._release_held()
+        await self.call(run)
+
+    @property
+    def weight_version(self) -> int:
+        return self.engine.weight_version
+
+    @property
+    def is_paused(self) -> bool:
+        return self._paused
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self._asleep
 
     # ---- probes
 
