@@ -30,6 +30,7 @@ from pagefleet.worker.entrypoints.protocol import (
     message_dicts,
     sampling_params,
 )
+from pagefleet.worker.entrypoints.rl_api import add_rl_routes
 from pagefleet.worker.entrypoints.streaming import Generation, generate
 
 log = logging.getLogger("pagefleet.server")
@@ -77,6 +78,9 @@ class ServerState:
     def admit(self) -> None:
         if self.draining:
             raise APIError(503, "The server is shutting down.", type="service_unavailable", code="draining")
+        if self.engine.is_sleeping:  # its memory is handed back (POST /sleep); POST /wake_up serves again
+            raise APIError(503, "The engine is asleep; retry after it wakes up.", type="service_unavailable",
+                           code="sleeping", headers={"Retry-After": "1"})
         if self.num_queued >= self.max_queue:
             self.metrics.request_rejected("queue_full")
             raise APIError(429, f"Too many waiting requests ({self.num_queued} >= max_queue {self.max_queue}); "
@@ -140,8 +144,9 @@ class _Gate:
 
 
 def build_app(engine, served_model_name: str | list[str] | None = None, api_key: str | None = None,
-              max_queue: int = 1024) -> FastAPI:
-    """The FastAPI app over a loaded AsyncLLMEngine; `app.state.server` is the shared ServerState."""
+              max_queue: int = 1024, enable_rl_endpoints: bool = False) -> FastAPI:
+    """The FastAPI app over a loaded AsyncLLMEngine; `app.state.server` is the shared ServerState.
+    enable_rl_endpoints: the weight update, pause and sleep routes (rl_api.py); without it they do not exist."""
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or [])
     state = ServerState(engine, names or [engine.model_name], api_key, max_queue)
     app = FastAPI(title="pagefleet worker", version="0.1.0")
@@ -227,6 +232,8 @@ def build_app(engine, served_model_name: str | list[str] | None = None, api_key:
         return {"object": "list", "data": base + adapters}
 
     add_lora_routes(app, state)
+    if enable_rl_endpoints:
+        add_rl_routes(app, state)
 
     @app.post("/tokenize", responses=ERROR_RESPONSES)
     async def tokenize(body: TokenizeRequest):
@@ -253,8 +260,9 @@ def build_app(engine, served_model_name: str | list[str] | None = None, api_key:
 
     @app.get("/ready")
     async def ready():
-        ok = engine.is_alive() and not state.draining
-        return JSONResponse({"ready": ok, "draining": state.draining}, status_code=200 if ok else 503)
+        ok = engine.is_alive() and not state.draining and not engine.is_sleeping
+        return JSONResponse({"ready": ok, "draining": state.draining, "sleeping": engine.is_sleeping},
+                            status_code=200 if ok else 503)
 
     @app.get("/load")
     async def load():  # polled many times a second: skip FastAPI's response encoding

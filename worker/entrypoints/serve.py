@@ -28,6 +28,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--max-queue", type=int, default=1024,
       help="requests accepted but without a first token yet (queued or in prefill) before new ones get 429")
     a("--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get after SIGTERM")
+    a("--enable-rl-endpoints", action="store_true",
+      help="the RL routes: weight updates (disk, tensors, broadcast), pause / resume, sleep / wake_up")
     a("--disable-access-log", action="store_true")
     a("--log-level", default="info")
 
@@ -104,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         api_key = args.api_key or os.environ.get("PAGEFLEET_API_KEY")  # resolved here: never shown in --help
-        app = build_app(engine, args.served_model_name, api_key, args.max_queue)
+        app = build_app(engine, args.served_model_name, api_key, args.max_queue, args.enable_rl_endpoints)
         uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                    access_log=not args.disable_access_log, timeout_graceful_shutdown=5)
         freeze_startup_heap()  # full GC passes over the start-up heap paused the engine for ~250 ms each
