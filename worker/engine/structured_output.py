@@ -1,0 +1,184 @@
+"""Structured outputs: grammars compiled off the step loop and cached by constraint, one matcher per sequence,
+and each step's packed token bitmask for the rows that have a grammar (xgrammar).
+
+A request's constraint is parsed into a grammar when the request is checked (tokenizer-free and quick, so a
+bad schema, regex or EBNF is a ValueError naming its field), then compiled against the vocabulary on a
+thread pool; its sequence waits in the scheduler until the compile is done (GrammarState.ready) without
+holding the batch. The vocabulary's tokenizer info is built once, on the pool, at the first request. A
+sequence's matcher follows its output tokens: the sampler fills the bitmask from it before each step, the
+step accepts the sampled token after it, and the matcher's terminated state ends the sequence. A preempted
+sequence keeps its tokens and its matcher (recompute re-runs only the K/V), so nothing needs rebuilding;
+`rebuild` replays the output tokens into a fresh matcher and lands in the same state. JSON is generated
+without free whitespace (any_whitespace=False), so a small model cannot loop on blanks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
+import xgrammar as xgr
+
+from pagefleet.worker.core.sampling_params import StructuredOutputsParams
+
+CACHE_SIZE = 256  # compiled grammars kept (by kind and spec); a schema's compile is reused by every request
+_XGR_PREFIX = re.compile(r"^\s*\[[0-9:]+\]\s*\S+?:\d+:\s*")  # "[08:06:48] /project/cpp/x.cc:94: "
+
+
+def _reason(e: Exception) -> str:
+    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return _XGR_PREFIX.sub("", text)
+
+
+def parse(structured: StructuredOutputsParams) -> xgr.Grammar:
+    """The constraint as a grammar (no tokenizer needed); ValueError naming the field when it is not one."""
+    kind, spec = structured.kind, structured.spec
+    try:
+        if kind == "json":
+            return xgr.Grammar.from_json_schema(spec, any_whitespace=False)
+        if kind == "json_object":
+            return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False)
+        if kind == "regex":
+            return xgr.Grammar.from_regex(spec)
+        if kind == "choice":
+            return xgr.Grammar.from_ebnf("root ::= " + " | ".join(json.dumps(c, ensure_ascii=False)
+                                                                  for c in structured.choice))
+        if kind == "grammar":
+            return xgr.Grammar.from_ebnf(spec)
+        return xgr.Grammar.from_structural_tag(spec)
+    except (RuntimeError, ValueError, TypeError) as e:
+        err = ValueError(f"structured_outputs.{kind} is not a valid {_NAMES[kind]}: {_reason(e)}")
+        err.param = f"structured_outputs.{kind}"  # type: ignore[attr-defined]
+        raise err from None
+
+
+_NAMES = {"json": "JSON schema", "json_object": "JSON object", "regex": "regular expression",
+          "choice": "list of choices", "grammar": "EBNF grammar", "structural_tag": "structural tag"}
+
+
+class GrammarState:
+    """One sequence's grammar: the compile's future, then (once it is done) its matcher."""
+
+    __slots__ = ("future", "stop_token_ids", "_matcher")
+
+    def __init__(self, future: Future, stop_token_ids: list[int], matcher: xgr.GrammarMatcher | None = None):
+        self.future = future
+        self.stop_token_ids = stop_token_ids
+        self._matcher = matcher
+
+    @property
+    def ready(self) -> bool:
+        """The compile is done (or failed: `error` says so); the scheduler admits the sequence from then on."""
+        return self.future.done()
+
+    @property
+    def error(self) -> str | None:
+        e = self.future.exception() if self.future.done() else None
+        return None if e is None else _reason(e)
+
+    @property
+    def matcher(self) -> xgr.GrammarMatcher:
+        if self._matcher is None:
+            self._matcher = xgr.GrammarMatcher(self.future.result(), override_stop_tokens=self.stop_token_ids)
+        return self._matcher
+
+    def accept(self, token: int) -> bool:
+        """The sampled token moves the matcher on; False when the grammar does not allow it."""
+        return self.matcher.accept_token(token)
+
+    @property
+    def terminated(self) -> bool:
+        return self._matcher is not None and self._matcher.is_terminated()
+
+    def fork(self) -> GrammarState:
+        """A sibling sample's own state, where this one is now."""
+        return GrammarState(self.future, self.stop_token_ids,
+                            self._matcher.fork() if self._matcher is not None else None)
+
+    def rebuild(self, output_token_ids: list[int]) -> GrammarState:
+        """A fresh matcher fed the output tokens again: the state a kept matcher has after them."""
+        state = GrammarState(self.future, self.stop_token_ids)
+        for token in output_token_ids:
+            if not state.accept(token):
+                raise ValueError(f"token {token} is not allowed by the grammar at this point")
+        return state
+
+
+class StructuredOutputs:
+    """The engine's grammar compiler (one pool, one cache) and the step's bitmask for the sampler."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], max_workers: int = 2,
+                 fill_threads: int | None = None):
+        """vocab_size: the width of the model's logits rows, which may exceed the tokenizer's vocabulary; the
+        ids past the tokenizer's are never allowed."""
+        self.vocab_size = vocab_size
+        self.stop_token_ids = list(stop_token_ids)
+        self.bitmask_width = -(-vocab_size // 32)
+        self.pool = ThreadPoolExecutor(max_workers, thread_name_prefix="grammar")
+        self._compiler = self.pool.submit(self._make_compiler, tokenizer)
+        self._lock = threading.Lock()  # requests are checked on the server's thread, added on the engine's
+        self._parsed: OrderedDict[tuple[str, str], xgr.Grammar] = OrderedDict()
+        self._compiled: OrderedDict[tuple[str, str], Future] = OrderedDict()
+        self._batch = xgr.BatchGrammarMatcher(fill_threads or max(1, min(8, (os.cpu_count() or 2) // 2)))
+        self._buffer = np.zeros((0, self.bitmask_width), dtype=np.int32)
+
+    def _make_compiler(self, tokenizer) -> xgr.GrammarCompiler:
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size,
+                                                  stop_token_ids=self.stop_token_ids)
+        return xgr.GrammarCompiler(info, max_threads=2, cache_enabled=False)  # cached here, by constraint
+
+    def check(self, structured: StructuredOutputsParams) -> xgr.Grammar:
+        """Parse (or find) the constraint's grammar; ValueError naming the field for a bad one."""
+        key = structured.key()
+        with self._lock:
+            grammar = self._parsed.get(key)
+            if grammar is not None:
+                self._parsed.move_to_end(key)
+                return grammar
+        grammar = parse(structured)
+        with self._lock:
+            self._parsed[key] = grammar
+            while len(self._parsed) > CACHE_SIZE:
+                self._parsed.popitem(last=False)
+        return grammar
+
+    def state(self, structured: StructuredOutputsParams) -> GrammarState:
+        """A new sequence's grammar state; its compile starts now on the pool unless cached."""
+        key = structured.key()
+        with self._lock:
+            future = self._compiled.get(key)
+            if future is not None and future.done() and future.exception() is not None:
+                future = None  # a failed compile is not kept: the next request tries again
+            if future is not None:
+                self._compiled.move_to_end(key)
+        if future is None:
+            grammar = self.check(structured)
+            future = self.pool.submit(self._compile, grammar)
+            with self._lock:
+                self._compiled[key] = future
+                while len(self._compiled) > CACHE_SIZE:
+                    self._compiled.popitem(last=False)
+        return GrammarState(future, self.stop_token_ids)
+
+    def _compile(self, grammar: xgr.Grammar) -> xgr.CompiledGrammar:
+        return self._compiler.result().compile_grammar(grammar)
+
+    def bitmask(self, seqs: list) -> tuple[np.ndarray, np.ndarray] | None:
+        """The step's constrained rows and their bitmasks (int32 [G, ceil(V/32)], bit t of a row set where
+        token t is allowed), filled from the matchers in parallel; None when no row has a grammar."""
+        rows = [i for i, seq in enumerate(seqs) if seq.grammar is not None]
+        if not rows:
+            return None
+        if len(self._buffer) < len(rows):
+            self._buffer = np.zeros((max(len(rows), 2 * len(self._buffer)), self.bitmask_width), dtype=np.int32)
+        bitmask = self._buffer[: len(rows)]
+        self._batch.batch_fill_next_token_bitmask([seqs[i].grammar.matcher for i in rows], bitmask)
+        return np.asarray(rows, dtype=np.int32), bitmask
+
+    def shutdown(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
