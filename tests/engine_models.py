@@ -100,3 +100,34 @@ def make_adapter(base, folder, seed, rank=4, targets=ALL_TARGETS):
                 p.normal_(0, 0.2)
     peft_model.save_pretrained(folder)
     return folder
+
+
+def tiny_qwen3_5(folder: Path, layer_types=("linear_attention", "full_attention", "linear_attention",
+                                            "full_attention"), seed: int = 0) -> Path:
+    """A tiny random Qwen3.5 text checkpoint (Qwen3_5ForCausalLM): Gated DeltaNet and gated full-attention
+    layers as layer_types says, vocabulary 512, every norm and gate weight made to count."""
+    from transformers import AutoTokenizer, Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    if (folder / "config.json").exists():
+        return folder
+    config = Qwen3_5TextConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=len(layer_types),
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4, layer_types=list(layer_types),
+        max_position_embeddings=1024, eos_token_id=2, bos_token_id=1, tie_word_embeddings=False,
+        initializer_range=0.2, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                "partial_rotary_factor": 0.25})
+    torch.manual_seed(seed)
+    model = Qwen3_5ForCausalLM(config).eval()
+    with torch.no_grad():  # transformers starts the (1 + w) norms at 0, the gated norm at 1, dt_bias at 1
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.normal_(1.0 if ".linear_attn.norm." in name else 0.0, 0.3)
+            elif name.endswith("dt_bias"):
+                param.normal_(0.0, 1.0)
+    model.save_pretrained(folder)
+    try:
+        AutoTokenizer.from_pretrained(bundled_model_path()).save_pretrained(folder)
+    except ModelFolderError:
+        write_word_tokenizer(str(folder))
+    return folder

@@ -13,6 +13,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from pagefleet.kernels import gdn_reference as gdn_ref
 from pagefleet.kernels import reference as ref
 from pagefleet.worker.models.layers.context import is_graphed
 
@@ -213,3 +214,26 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seql
         q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale=scale, max_seq_len=max_seq_len, out=out
     )
 
+
+
+# ---- Gated DeltaNet (layers/gated_deltanet.py): the torch references for now, on every device
+def causal_conv1d(x, weight, conv_state, state_slots, cu_seqlens=None):
+    """Depthwise causal conv + SiLU over each sequence, continued from and updating its slot's conv state;
+    cu_seqlens None: one token per sequence (decode)."""
+    return gdn_ref.causal_conv1d(x, weight, conv_state, state_slots, cu_seqlens)
+
+
+def chunk_gated_delta_rule(q, k, v, a, b, A_log, dt_bias, ssm_state, state_slots, cu_seqlens):
+    """Prompt chunks: the gating (g, beta from a, b), then the chunked rule from each slot's state."""
+    g, beta = gdn_ref.gdn_gating(A_log, a, dt_bias, b)
+    return gdn_ref.chunk_gated_delta_rule(q, k, v, g, beta, ssm_state, state_slots, cu_seqlens)
+
+
+def recurrent_gated_delta_rule(q, k, v, a, b, A_log, dt_bias, ssm_state, state_slots):
+    """Decodes (row i is sequence i): the gating, then one recurrent step of each slot's state."""
+    g, beta = gdn_ref.gdn_gating(A_log, a, dt_bias, b)
+    return gdn_ref.recurrent_gated_delta_rule(q, k, v, g, beta, ssm_state, state_slots)
+
+
+def gated_rms_norm(x, z, weight, eps):
+    return gdn_ref.gated_rms_norm(x, z, weight, eps)
