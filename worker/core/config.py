@@ -32,6 +32,9 @@ class EngineConfig:
     seed: int = 0
     async_scheduling: bool = True  # overlap decode steps: launch step N+1 before reading step N's tokens
     enable_lora: bool = False  # keep slots for LoRA adapters, loaded and unloaded while serving
+    # weights and KV cache in memory that sleep() hands back to the driver and wake_up() maps again at the same
+    # addresses (a trainer beside the engine; worker/executor/sleep.py)
+    enable_sleep_mode: bool = False
     max_loras: int = 4  # adapters loaded at once
     max_lora_rank: int = 16
     # Processes compiling GPU kernels at a cold start (worker/executor/startup/compile_workers.py); None: auto, 0: none.

@@ -53,6 +53,19 @@ class LLM:
     def unload_lora(self, name: str) -> None:
         self.engine.unload_lora(name)
 
+    def sleep(self, level: int = 1) -> None:
+        """Hand the GPU memory back (needs enable_sleep_mode=True): level 1 keeps the weights in host memory,
+        level 2 drops them (load new ones with a weight update after wake_up)."""
+        self.engine.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Take the memory back: tags "weights" and / or "kv_cache" (None: both)."""
+        self.engine.wake_up(tags)
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self.engine.is_sleeping
+
     def chat(self, conversations: list[dict] | list[list[dict]], params: SamplingParams | None = None,
              use_tqdm: bool = False):
         if conversations and isinstance(conversations[0], dict):

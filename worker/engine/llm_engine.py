@@ -23,6 +23,11 @@ from pagefleet.worker.models.loader import load_model_config, load_tokenizer, re
 MAX_DEFAULT_MODEL_LEN = 8192
 
 
+class EngineSleepingError(ValueError):
+    """A request or step while the engine sleeps (or holds no weights since a level-2 sleep): the server answers
+    503. A ValueError, so that every path that refuses a bad request refuses this one too."""
+
+
 @dataclass
 class Request:
     request_id: str
@@ -74,6 +79,7 @@ class LLMEngine(EngineStep):
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams, lora_name: str | None = None) -> None:
         """Raise ValueError for a request the engine cannot serve (callable from any thread)."""
+        self.check_awake()
         params.validate(self.model_config.vocab_size)
         if lora_name is not None and lora_name not in self.lora_names():
             raise ValueError(f"no LoRA adapter named {lora_name!r} is loaded")
@@ -133,6 +139,51 @@ class LLMEngine(EngineStep):
         if users:
             raise ValueError(f"LoRA adapter {name!r} is in use by {users} request(s); unload it when they finish")
         self.runner.lora.unload(name)
+
+    # ---- sleep mode: the weights' and KV cache's GPU memory handed to a trainer beside the engine and taken back
+    # (executor/sleep.py); the CUDA graphs stay captured
+
+    _dropped_at_version: int | None = None  # weight_version when wake_up mapped zeroed weights after level 2
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self.runner.is_sleeping
+
+    def sleep(self, level: int = 1) -> None:
+        """level 1: the weights to pinned host memory and the KV cache freed; level 2: both freed, and after
+        wake_up the weights are zeros until a weight update (update_weights_from_disk / _tensor / _distributed),
+        as vLLM's level 2 expects the trainer to push its weights. Refused while requests are in flight (as SGLang
+        does: pause(mode="abort") or pause(mode="wait") first); the prefix cache is dropped with the KV cache."""
+        self.runner.check_sleep(level)
+        if self.requests:
+            raise ValueError(f"cannot sleep with {len(self.requests)} request(s) in flight: let them finish, abort "
+                             f"them or pause(mode='abort' | 'wait') first")
+        if self.pending is not None:  # a step of aborted requests still on the device: its tokens are dropped
+            self.pending, step = None, self.pending
+            self._resolve(step)
+        self.runner.sleep(level)
+        self.block_manager.reset_prefix_cache()
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """tags: "weights" and / or "kv_cache" (None: both); the engine serves again once both are awake."""
+        woken = self.runner.wake_up(tags)
+        if "weights" in woken and self.runner.sleep_mode.level == 2:
+            self._dropped_at_version = getattr(self, "weight_version", 0)
+
+    def check_awake(self) -> None:
+        """EngineSleepingError while asleep or while the weights are the zeros a level-2 wake-up left."""
+        if self.runner.is_sleeping:
+            raise EngineSleepingError(f"the engine is asleep ({' and '.join(sorted(self.runner.sleep_mode.asleep))} "
+                                      f"released): call wake_up first")
+        if self._dropped_at_version is not None:
+            if getattr(self, "weight_version", 0) == self._dropped_at_version:
+                raise EngineSleepingError("the weights were dropped by sleep(level=2): load new ones "
+                                          "(update_weights_from_disk, _from_tensor or _from_distributed) first")
+            self._dropped_at_version = None
+
+    def step(self) -> list[RequestOutput]:
+        self.check_awake()
+        return super().step()
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)

@@ -32,6 +32,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enable-lora", action="store_true", help="keep slots for LoRA adapters (PEFT folders)")
     parser.add_argument("--max-loras", type=int, default=d.max_loras, help="LoRA adapters loaded at once")
     parser.add_argument("--max-lora-rank", type=int, default=d.max_lora_rank)
+    parser.add_argument("--enable-sleep-mode", action="store_true",
+                        help="let sleep / wake_up hand the weights' and KV cache's GPU memory back to the driver "
+                             "(a trainer on the same GPU) and take it back, CUDA graphs kept")
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=d.async_scheduling,
                         help="overlap decode steps with the host's bookkeeping")
     parser.add_argument("--compile-workers", type=int, default=d.compile_workers,
@@ -49,5 +52,5 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         num_gpu_blocks_override=args.num_gpu_blocks_override, quantization=args.quantization, seed=args.seed,
         cpu_threads=args.cpu_threads, async_scheduling=args.async_scheduling,
         enable_lora=args.enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
-        compile_workers=args.compile_workers,
+        compile_workers=args.compile_workers, enable_sleep_mode=args.enable_sleep_mode,
     ).validate()

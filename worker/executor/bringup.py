@@ -12,6 +12,7 @@ from pagefleet.worker.core.config import EngineConfig
 from pagefleet.worker.executor.kv_cache import KVCache
 from pagefleet.worker.executor.memory import profile_peak_bytes, size_kv_cache
 from pagefleet.worker.executor.sampler import Sampler
+from pagefleet.worker.executor.sleep import SleepMode
 from pagefleet.worker.executor.startup.warmup import warm_up
 from pagefleet.worker.models.layers import ops
 from pagefleet.worker.models.loader import build_model
@@ -73,6 +74,10 @@ def bring_up(runner, model_path, compile_workers=None, compile_share: tuple[int,
     use_device(config, device)
     start = time.time()
     runner.model = load_model(config, runner.model_config, model_path, runner.dtype, device)
+    runner.sleep_mode = None
+    if config.enable_sleep_mode:  # the weights move into their region before anything holds their addresses
+        runner.sleep_mode = SleepMode(device)
+        runner.sleep_mode.adopt_model(runner.model)
     # seconds of each start-up phase, for the engine's start-up line and a compile worker's report
     runner.start_seconds = {"load": time.time() - start, "workers": 0.0, "warmup": 0.0, "graphs": 0.0}
     runner.lora = None
@@ -89,6 +94,12 @@ def bring_up(runner, model_path, compile_workers=None, compile_share: tuple[int,
         profile_peak_bytes(runner, config)  # a worker's blocks are fixed, but this step's kernels are the engine's
     num_blocks = size_kv_cache(runner, config, runner.model_config)
     runner.kv = KVCache(runner.model_config, num_blocks, runner.block_size, runner.dtype, device)
+    if runner.sleep_mode is not None:  # the KV cache moves into its region: freed first, so the peak is one cache
+        shape, dtype = runner.kv.data.shape, runner.kv.data.dtype
+        runner.kv.data = None
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        runner.kv.data = runner.sleep_mode.allocate_kv(shape, dtype)
     runner.kv.bind(runner.model)
     if device.type == "cuda":
         warm_up(runner, compile_share)

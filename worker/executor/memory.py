@@ -62,14 +62,16 @@ def size_kv_cache(runner, config, mc: ModelConfig) -> int:
         # more blocks than every sequence at full length can use is wasted host memory
         num_blocks = min(available // per_block, config.max_num_seqs * per_seq_blocks + 1)
     else:
-        weights = torch.cuda.memory_allocated()  # the model, before the profiled step's activations
-        peak = profile_peak_bytes(runner, config)
+        # sleep mode: the weights are mapped outside torch's caching allocator (executor/sleep.py)
+        outside = runner.sleep_mode.mapped_bytes() if getattr(runner, "sleep_mode", None) is not None else 0
+        weights = torch.cuda.memory_allocated() + outside  # the model, before the profiled step's activations
+        peak = profile_peak_bytes(runner, config) + outside
         free, total = torch.cuda.mem_get_info()
         reserve = (reserve_bytes(config, mc.vocab_size, runner.dtype, peak - weights)
                    + penalty_slot_bytes(config.max_num_seqs, mc.vocab_size))
         # our share of the card, minus what we already use at peak; never more than is actually free
         available = int(min(total * config.gpu_memory_fraction - peak - reserve,
-                            free - reserve - (peak - torch.cuda.memory_allocated())))
+                            free - reserve - (peak - outside - torch.cuda.memory_allocated())))
         num_blocks = max(available, 0) // per_block
         runner.profile = {"peak_bytes": peak, "total_bytes": total, "free_bytes": free,
                           "kv_bytes": num_blocks * per_block}

@@ -150,3 +150,32 @@ class ModelRunner:
             event = torch.cuda.Event()
             event.record()
         return PendingTokens(sampled.tokens, host, event)
+
+    # ---- sleep mode (sleep.py, EngineConfig.enable_sleep_mode): the weights' and KV cache's memory handed back to
+    # the driver and taken back at the same addresses, the captured graphs kept
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self.sleep_mode is not None and self.sleep_mode.is_sleeping
+
+    @property
+    def weights_asleep(self) -> bool:
+        """The weights' memory is released: nothing may read or write the parameters (a weight update included)."""
+        return self.sleep_mode is not None and "weights" in self.sleep_mode.asleep
+
+    def check_sleep(self, level) -> int:
+        """ValueError unless sleep(level) can run: sleep mode on, level 1 or 2, awake."""
+        if self.sleep_mode is None:
+            raise ValueError("sleep mode is off: start the engine with enable_sleep_mode=True (--enable-sleep-mode)")
+        return self.sleep_mode.check_sleep(level)
+
+    def sleep(self, level: int = 1) -> None:
+        """level 1: the weights to pinned host memory, both regions released; level 2: both released."""
+        self.check_sleep(level)
+        self.sleep_mode.sleep(level)
+
+    def wake_up(self, tags=None) -> tuple[str, ...]:
+        """tags: "weights" and / or "kv_cache" (None: both) -> the tags woken."""
+        if self.sleep_mode is None:
+            raise ValueError("sleep mode is off: start the engine with enable_sleep_mode=True (--enable-sleep-mode)")
+        return self.sleep_mode.wake_up(tags)

@@ -377,7 +377,6 @@ class SleepMode:
         self.buffer_ranges: list[tuple[int, int]] = []  # weights-region bytes kept at level 2 (buffers, not params)
         self.asleep: set[str] = set()
         self.level = 0  # of the last sleep
-        self.weights_discarded = False  # woken from level 2: zeros until a weight update
         self.seconds: dict[str, float] = {}  # the last sleep's and wake-up's duration
 
     # ---- placement (bring-up)
@@ -467,8 +466,6 @@ class SleepMode:
             if region is not None:
                 region.restore()
             self.asleep.discard(tag)
-            if tag == "weights" and self.level == 2:
-                self.weights_discarded = True
         self.seconds["wake_up"] = time.perf_counter() - start
         return tuple(todo)
 
