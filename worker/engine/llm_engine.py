@@ -14,6 +14,7 @@ from pagefleet.worker.core.outputs import CompletionOutput, RequestOutput
 from pagefleet.worker.core.sampling_params import SamplingParams
 from pagefleet.worker.core.scheduler import Scheduler
 from pagefleet.worker.core.sequence import Sequence
+from pagefleet.worker.core.state_slots import StateSlots
 from pagefleet.worker.engine import stats as engine_stats
 from pagefleet.worker.engine.stats import EngineStats, StepRecord
 from pagefleet.worker.engine.step import PLACEHOLDER, EngineStep, PendingStep
@@ -65,7 +66,8 @@ class LLMEngine(EngineStep):
                   f"graphs {t['graphs']:.1f}s", flush=True)
         self.eos_token_ids = set(self.model_config.eos_token_ids or [self.tokenizer.eos_token_id])
         self.runner.sampler.eos_token_ids = sorted(self.eos_token_ids)
-        self.block_manager = BlockManager(self.runner.kv.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.block_manager = BlockManager(self.runner.kv.num_blocks, config.block_size, config.enable_prefix_caching,
+                                          self._state_slots())
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.requests: dict[str, Request] = {}
         self.emit_partial = True  # the streaming engine wants every step's progress; offline runs only the final
@@ -74,6 +76,15 @@ class LLMEngine(EngineStep):
         self.steps_total = 0
         self.recent_steps: deque[StepRecord] = deque(maxlen=2048)
         self.pending: PendingStep | None = None  # an overlapped step not yet read back
+
+    def _state_slots(self) -> StateSlots | None:
+        """The state slot pool of a model with recurrent layers, over the runner's state cache (None without)."""
+        state = self.runner.state
+        if state is None:
+            return None
+        if self.config.enable_prefix_caching and not state.num_snapshots:
+            print("pagefleet: prefix caching is off for this model: no memory for its state snapshots", flush=True)
+        return StateSlots(state.num_slots, state.num_snapshots)
 
     # ---- requests
 
@@ -88,6 +99,10 @@ class LLMEngine(EngineStep):
         vocab = self.model_config.vocab_size
         if any(not isinstance(t, int) or t < 0 or t >= vocab for t in prompt_token_ids):
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        state = self.block_manager.state
+        if state is not None and params.n > state.num_slots:
+            raise ValueError(f"n={params.n} samples need a state slot each, but this model has {state.num_slots} "
+                             f"(max_num_seqs)")
         if len(prompt_token_ids) >= self.max_model_len:
             raise ValueError(
                 f"the prompt has {len(prompt_token_ids)} tokens but max_model_len is {self.max_model_len} "

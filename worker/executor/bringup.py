@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import replace
 
 import torch
 
@@ -14,6 +15,7 @@ from pagefleet.worker.executor.memory import profile_peak_bytes, size_kv_cache
 from pagefleet.worker.executor.sampler import Sampler
 from pagefleet.worker.executor.sleep import SleepMode
 from pagefleet.worker.executor.startup.warmup import warm_up
+from pagefleet.worker.executor.state_cache import StateCache, is_stateful, slot_counts
 from pagefleet.worker.models.layers import ops
 from pagefleet.worker.models.loader import build_model
 from pagefleet.worker.models.registry import ModelConfig
@@ -85,6 +87,9 @@ def bring_up(runner, model_path, compile_workers=None, compile_share: tuple[int,
         from pagefleet.worker.models.layers.lora import LoRAManager
 
         runner.lora = LoRAManager(runner.model, config.max_loras, config.max_lora_rank, runner.dtype, device)
+    runner.state = None
+    if is_stateful(runner.model):  # before the KV cache is sized, so the budget counts the state slots
+        config = runner.config = bring_up_state(runner, config, device)
     runner.sampler = Sampler(device, config.seed, runner.model_config.eos_token_ids, config.max_num_seqs)
     if compile_workers is not None:  # before measuring free memory: they hold some while they run
         start = time.time()
@@ -93,7 +98,8 @@ def bring_up(runner, model_path, compile_workers=None, compile_share: tuple[int,
     if compile_share is not None and compile_share[0] == 0 and device.type == "cuda":
         profile_peak_bytes(runner, config)  # a worker's blocks are fixed, but this step's kernels are the engine's
     num_blocks = size_kv_cache(runner, config, runner.model_config)
-    runner.kv = KVCache(runner.model_config, num_blocks, runner.block_size, runner.dtype, device)
+    runner.kv = KVCache(runner.model_config, num_blocks, runner.block_size, runner.dtype, device,
+                        len(runner.model.attention_layers()))
     if runner.sleep_mode is not None:  # the KV cache moves into its region: freed first, so the peak is one cache
         shape, dtype = runner.kv.data.shape, runner.kv.data.dtype
         runner.kv.data = None
@@ -109,3 +115,17 @@ def bring_up(runner, model_path, compile_workers=None, compile_share: tuple[int,
             runner.start_seconds["graphs"] = runner.cuda_graphs.capture_seconds
         if compile_workers is not None:
             compile_workers.mark_warm()
+
+
+def bring_up_state(runner, config: EngineConfig, device: torch.device) -> EngineConfig:
+    """The state cache of a model with recurrent layers, allocated and bound: a slot per sequence the scheduler
+    may run, and snapshot slots for the prefix cache. -> the config, max_num_seqs lowered to the slots that fit."""
+    shapes = runner.model.state_shapes()
+    slots, snapshots = slot_counts(runner, config, shapes)
+    if slots < config.max_num_seqs:
+        print(f"pagefleet: max_num_seqs lowered from {config.max_num_seqs} to {slots}: the state slots of more "
+              f"sequences do not fit in memory", flush=True)
+        config = replace(config, max_num_seqs=slots)
+    runner.state = StateCache(shapes, slots, snapshots, device)
+    runner.state.bind(runner.model)
+    return config

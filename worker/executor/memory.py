@@ -1,4 +1,8 @@
-"""KV cache sizing: profile the largest step, then give the KV cache what the memory budget leaves."""
+"""KV cache sizing: profile the largest step, then give the KV cache what the memory budget leaves.
+
+A model with recurrent layers has its state slots allocated before this (executor/state_cache.py): on a GPU the
+profiled peak holds them, on CPU they come out of the byte budget, so either way the KV cache gets what is left.
+"""
 
 from __future__ import annotations
 
@@ -29,6 +33,9 @@ def profile_peak_bytes(runner, config) -> int:
     for n in lens:
         cu.append(cu[-1] + n)
     dev = runner.device
+    state_slots = None
+    if runner.state is not None:  # each profiled sequence runs in a slot of its own, as a step's do
+        state_slots = torch.arange(len(lens), dtype=torch.int32, device=dev) % runner.state.num_slots
     meta = AttentionMetadata(
         slot_mapping=torch.full((cu[-1],), -1, dtype=torch.long, device=dev),
         block_tables=torch.zeros(len(lens), 1, dtype=torch.int32, device=dev),
@@ -36,6 +43,7 @@ def profile_peak_bytes(runner, config) -> int:
         cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
         max_seq_len=max(lens),
         is_decode=False,
+        state_slots=state_slots,
     )
     positions = torch.cat([torch.arange(n, device=dev) for n in lens])
     with forward_context(meta):
@@ -52,15 +60,16 @@ def profile_peak_bytes(runner, config) -> int:
 def size_kv_cache(runner, config, mc: ModelConfig) -> int:
     """Number of KV blocks: forced, from the CPU byte budget, or what the GPU fraction leaves after profiling
     and what is allocated after it: the CUDA graphs and the sampler's penalty slots."""
-    per_block = block_bytes(mc, config.block_size, runner.dtype)
+    per_block = block_bytes(mc, config.block_size, runner.dtype, len(runner.model.attention_layers()))
     per_seq_blocks = runner.max_blocks_per_seq
+    state_bytes = runner.state.nbytes if runner.state is not None else 0
     if config.num_gpu_blocks_override:
         num_blocks = config.num_gpu_blocks_override
         available = num_blocks * per_block
     elif runner.device.type != "cuda":
-        available = config.kv_cache_memory_bytes or CPU_DEFAULT_KV_BYTES
+        available = (config.kv_cache_memory_bytes or CPU_DEFAULT_KV_BYTES) - state_bytes
         # more blocks than every sequence at full length can use is wasted host memory
-        num_blocks = min(available // per_block, config.max_num_seqs * per_seq_blocks + 1)
+        num_blocks = min(max(available, 0) // per_block, config.max_num_seqs * per_seq_blocks + 1)
     else:
         # sleep mode: the weights are mapped outside torch's caching allocator (executor/sleep.py)
         outside = runner.sleep_mode.mapped_bytes() if getattr(runner, "sleep_mode", None) is not None else 0
@@ -77,10 +86,14 @@ def size_kv_cache(runner, config, mc: ModelConfig) -> int:
                           "kv_bytes": num_blocks * per_block}
     if num_blocks < per_seq_blocks:
         need = per_seq_blocks * per_block
+        state = ""
+        if runner.state is not None:
+            state = (f" after {runner.state.num_slots + runner.state.num_snapshots} state slots "
+                     f"({state_bytes / GiB:.2f} GiB; fewer with a lower --max-num-seqs)")
         raise ValueError(
             f"the KV cache cannot hold one sequence of max_model_len={runner.max_model_len}: it needs "
             f"{per_seq_blocks} blocks ({need / GiB:.2f} GiB) but only {max(available, 0) / GiB:.2f} GiB "
-            f"({num_blocks} blocks) are available; lower --max-model-len or raise --gpu-memory-fraction "
+            f"({num_blocks} blocks) are available{state}; lower --max-model-len or raise --gpu-memory-fraction "
             f"(or kv_cache_memory_bytes on CPU)"
         )
     return int(num_blocks)

@@ -115,18 +115,23 @@ class ModelRunner:
         """
         if batch.copies:
             self.kv.copy_blocks(batch.copies)
+        if self.state is not None:  # fresh slots zeroed, forked and restored ones copied, before the forward
+            self.state.before_forward(batch.state_copies, batch.state_zeros)
         step = self.prepare(batch)
         lora_mapping = self.lora.mapping(batch.seqs, batch.num_new_tokens) if self.lora is not None else None
+        logits = None
         if lora_mapping is None:  # the graphs hold no adapter: LoRA steps run eagerly
             logits = self.cuda_graphs.replay(step, feed)
-            if logits is not None:
-                return logits if step.logits_rows else None
-        return self._run_eager(step, feed, lora_mapping)
+        if logits is None:
+            logits = self._run_eager(step, feed, lora_mapping)
+        if self.state is not None:
+            self.state.after_forward(batch.state_snapshots)  # states at a block boundary, for the prefix cache
+        return logits if logits is not None and step.logits_rows else None
 
     def _run_eager(self, step: StepInputs, feed, lora_mapping) -> torch.Tensor | None:
         tokens_d = upload_rows(step.tokens, self.device)
         meta = eager_metadata(self.device, tokens_d[2], step.tables, step.seq_lens, step.cu, step.num_decodes,
-                              step.is_decode)
+                              step.is_decode, step.state_slots)
         if feed is not None:
             feed_device_tokens(tokens_d[0], feed)
         with forward_context(meta, lora_mapping):

@@ -26,6 +26,7 @@ class StepInputs(NamedTuple):
     tables: np.ndarray  # [n, width] int32 block tables, width a multiple of 4 (rows 16-byte aligned)
     logits_rows: list[int]  # the token rows whose sequences sample
     num_decodes: int  # one-token entries leading a step that also has prompt chunks (0 in a pure decode step)
+    state_slots: np.ndarray | None = None  # [n] int32: each sequence's state slot (models with recurrent state)
 
     @property
     def num_seqs(self) -> int:
@@ -73,7 +74,10 @@ def prepare(batch: ScheduledBatch, block_size: int) -> StepInputs:
     num_tokens = np.fromiter((s.num_tokens for s in seqs), dtype=np.int64, count=n)
     logits_rows = (cu[1:] - 1)[ends == num_tokens].tolist()
     tokens = np.stack([np.asarray(ids, dtype=np.int64), pos, slots])
-    return StepInputs(tokens, ends.astype(np.int32), cu, tables, logits_rows, num_decodes)
+    state_slots = None
+    if seqs[0].state_slot is not None:  # a model with recurrent state: every sequence holds a slot
+        state_slots = np.fromiter((s.state_slot for s in seqs), dtype=np.int32, count=n)
+    return StepInputs(tokens, ends.astype(np.int32), cu, tables, logits_rows, num_decodes, state_slots)
 
 
 def upload_rows(tokens: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -98,11 +102,14 @@ def upload_int32(device: torch.device, *arrays: np.ndarray) -> list[torch.Tensor
 
 
 def eager_metadata(device: torch.device, slot_mapping: torch.Tensor, tables: np.ndarray, seq_lens: np.ndarray,
-                   cu: np.ndarray, num_decodes: int, is_decode: bool) -> AttentionMetadata:
-    """The attention context of an eager step; the first `num_decodes` sequences have one token each."""
+                   cu: np.ndarray, num_decodes: int, is_decode: bool,
+                   state_slots: np.ndarray | None = None) -> AttentionMetadata:
+    """The attention context of an eager step; the first `num_decodes` sequences have one token each.
+    state_slots: each sequence's state slot (models with recurrent state), uploaded with the other int32s."""
     block_tables = torch.from_numpy(tables).to(device, non_blocking=True)
-    seq_lens_d, cu_d, prefill_lens_d, prefill_cu_d = upload_int32(
-        device, seq_lens, cu, seq_lens[num_decodes:], cu[num_decodes:] - cu[num_decodes])
+    extra = () if state_slots is None else (state_slots,)
+    seq_lens_d, cu_d, prefill_lens_d, prefill_cu_d, *state_d = upload_int32(
+        device, seq_lens, cu, seq_lens[num_decodes:], cu[num_decodes:] - cu[num_decodes], *extra)
     return AttentionMetadata(
         slot_mapping=slot_mapping,
         block_tables=block_tables,
@@ -114,6 +121,7 @@ def eager_metadata(device: torch.device, slot_mapping: torch.Tensor, tables: np.
         prefill_block_tables=block_tables[num_decodes:],  # rows of 4k int32: 16-byte aligned
         prefill_seq_lens=prefill_lens_d,
         prefill_cu_seqlens_q=prefill_cu_d,
+        state_slots=state_d[0] if state_d else None,
     )
 
 

@@ -131,6 +131,10 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.cos_sin_cache = torch.empty(0)
 
+    def attention_layers(self) -> list[PagedAttention]:
+        """The paged-KV layers, in order (the KV cache binds one layer of blocks to each)."""
+        return [layer.self_attn.attn for layer in self.model.layers]
+
     # ---- forward
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from pagefleet.worker.executor.graphs.base import StepGraphs
+from pagefleet.worker.executor.state_cache import is_stateful
 from pagefleet.worker.executor.step_inputs import StepInputs, feed_device_tokens, sampled_rows
 from pagefleet.worker.models.layers.context import forward_context
 from pagefleet.worker.models.layers.paged_attention import AttentionMetadata
@@ -42,6 +43,8 @@ class DecodeGraphs(StepGraphs):
         self.block_tables = torch.zeros(m, -(-max_blocks_per_seq // 4) * 4, dtype=torch.int32, device=device)
         self.cu_seqlens_q = torch.arange(m + 1, dtype=torch.int32, device=device)
         self.logits = torch.empty(m, model.lm_head.weight.shape[0], dtype=model.lm_head.weight.dtype, device=device)
+        # a model with recurrent state: each row's state slot, -1 (read and written by nobody) on padding rows
+        self.state_slots = torch.full((m,), -1, dtype=torch.int32, device=device) if is_stateful(model) else None
 
     @classmethod
     def for_config(cls, model, device, config, max_model_len: int, max_blocks_per_seq: int) -> DecodeGraphs:
@@ -58,7 +61,8 @@ class DecodeGraphs(StepGraphs):
     def _forward(self, bs: int, graphed: bool) -> None:
         ids, positions, slots = self.tokens
         meta = AttentionMetadata(slots[:bs], self.block_tables[:bs], self.seq_lens[:bs], self.cu_seqlens_q[: bs + 1],
-                                 self.max_model_len, True)
+                                 self.max_model_len, True,
+                                 state_slots=None if self.state_slots is None else self.state_slots[:bs])
         with forward_context(meta, graphed=graphed):
             self.model.compute_logits(self.model(ids[:bs], positions[:bs]), out=self.logits[:bs])
 
@@ -75,6 +79,10 @@ class DecodeGraphs(StepGraphs):
         self.seq_lens[:n].copy_(torch.from_numpy(step.seq_lens), non_blocking=True)
         self.seq_lens[n:bs].fill_(1)
         self.block_tables[:n, : step.tables.shape[1]].copy_(torch.from_numpy(step.tables), non_blocking=True)
+        if self.state_slots is not None:
+            state_slots = np.full(bs, -1, dtype=np.int32)
+            state_slots[:n] = step.state_slots
+            self.state_slots[:bs].copy_(torch.from_numpy(state_slots), non_blocking=True)
         if feed is not None:
             feed_device_tokens(self.tokens[0, :n], feed)
         return bs

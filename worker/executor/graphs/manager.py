@@ -14,6 +14,7 @@ import torch
 from pagefleet.worker.executor.graphs.decode import DecodeGraphs
 from pagefleet.worker.executor.graphs.mixed import MixedGraphs
 from pagefleet.worker.executor.graphs.prompt import PromptGraphs
+from pagefleet.worker.executor.state_cache import is_stateful
 from pagefleet.worker.executor.step_inputs import StepInputs
 
 KINDS = (("decode", DecodeGraphs), ("prompt", PromptGraphs), ("mixed", MixedGraphs))  # in capture order
@@ -43,6 +44,11 @@ class CUDAGraphs:
         """Build and capture every kind these settings call for. share (i, n): a compile worker's slice of each
         kind's graphs."""
         pool = None
+        if is_stateful(model) and not getattr(model, "state_graphs", False):
+            # every kind stages the step's state slots, but the model's recurrent-state ops must be capturable
+            # (no host syncs) for a graph to replay them: until the model says so (state_graphs), steps run eagerly
+            print("pagefleet: no CUDA graphs: this model's recurrent-state kernels cannot be captured yet", flush=True)
+            return
         for name, cls in KINDS:
             kind = cls.for_config(model, device, config, max_model_len, max_blocks_per_seq)
             if kind is not None:

@@ -25,6 +25,7 @@ import torch
 
 from pagefleet.worker.executor.graphs.base import StepGraphs
 from pagefleet.worker.executor.graphs.prompt import MAX_SEQS, ChunkInts, token_buckets
+from pagefleet.worker.executor.state_cache import is_stateful
 from pagefleet.worker.executor.step_inputs import StepInputs, feed_device_tokens
 from pagefleet.worker.models.layers.context import forward_context
 from pagefleet.worker.models.layers.paged_attention import AttentionMetadata
@@ -65,6 +66,9 @@ class MixedGraphs(StepGraphs):
         self.seq_lens, self.cu_seqlens_q, self.block_tables = chunks.seq_lens, chunks.cu_seqlens_q, chunks.block_tables
         self.logits_rows = torch.zeros(d + s, dtype=torch.long, device=device)
         self.logits = torch.empty(d + s, model.lm_head.weight.shape[0], dtype=model.lm_head.weight.dtype, device=device)
+        # A model with recurrent state: the decodes' state slots end where the prompt chunks' begin (at d), so
+        # the graph of d' decodes reads its d' + MAX_SEQS slots as one view ending there; -1 on padding.
+        self.state_slots = torch.full((d + s,), -1, dtype=torch.int32, device=device) if is_stateful(model) else None
 
     @classmethod
     def for_config(cls, model, device, config, max_model_len: int, max_blocks_per_seq: int) -> MixedGraphs | None:
@@ -94,7 +98,7 @@ class MixedGraphs(StepGraphs):
             slot_mapping=slots[: d + t], block_tables=self.dec_tables[:d], seq_lens=self.dec_seq_lens[:d],
             cu_seqlens_q=self.cu_seqlens_q, max_seq_len=self.max_model_len, is_decode=False, num_decodes=d,
             prefill_block_tables=self.block_tables, prefill_seq_lens=self.seq_lens,
-            prefill_cu_seqlens_q=self.cu_seqlens_q)
+            prefill_cu_seqlens_q=self.cu_seqlens_q, state_slots=self._state_view(d))
         with forward_context(meta, graphed=graphed):
             hidden = self.model(ids[: d + t], positions[: d + t])
             self.model.compute_logits(hidden[self.logits_rows], out=self.logits)
@@ -126,11 +130,23 @@ class MixedGraphs(StepGraphs):
         self.chunks.upload(ints)
         self.dec_tables[:nd, : tables.shape[1]].copy_(torch.from_numpy(tables[:nd]), non_blocking=True)
         self.logits_rows.copy_(torch.from_numpy(rows), non_blocking=True)
+        if self.state_slots is not None:
+            state_slots = np.full(d + MAX_SEQS, -1, dtype=np.int32)
+            state_slots[:nd] = step.state_slots[:nd]
+            state_slots[d : d + step.num_seqs - nd] = step.state_slots[nd:]
+            self._state_view(d).copy_(torch.from_numpy(state_slots), non_blocking=True)
         if feed is not None:
             feed_rows = np.full(d + t, -1, dtype=np.int64)
             feed_rows[moved] = feed[0]
             feed_device_tokens(self.tokens[0, : d + t], (feed_rows, feed[1]))
         return key
+
+    def _state_view(self, d: int) -> torch.Tensor | None:
+        """The state slots of a graph with d decode rows: [d decodes][MAX_SEQS prompt chunks]."""
+        if self.state_slots is None:
+            return None
+        top = self.decode_sizes[-1]
+        return self.state_slots[top - d : top + MAX_SEQS]
 
     def _key(self, num_decodes: int, prompt_tokens: int) -> tuple[int, int] | None:
         d = next((s for s in self.decode_sizes if s >= num_decodes), None)

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from pagefleet.worker.executor.graphs.base import StepGraphs
+from pagefleet.worker.executor.state_cache import is_stateful
 from pagefleet.worker.executor.step_inputs import StepInputs, feed_device_tokens
 from pagefleet.worker.models.layers.context import forward_context
 from pagefleet.worker.models.layers.paged_attention import AttentionMetadata
@@ -39,6 +40,8 @@ class PromptGraphs(StepGraphs):
         self.seq_lens, self.cu_seqlens_q, self.block_tables = chunks.seq_lens, chunks.cu_seqlens_q, chunks.block_tables
         self.logits_rows = torch.zeros(s, dtype=torch.long, device=device)
         self.logits = torch.empty(s, model.lm_head.weight.shape[0], dtype=model.lm_head.weight.dtype, device=device)
+        # a model with recurrent state: each prompt's state slot, -1 for the padding sequences
+        self.state_slots = torch.full((s,), -1, dtype=torch.int32, device=device) if is_stateful(model) else None
 
     @classmethod
     def for_config(cls, model, device, config, max_model_len: int, max_blocks_per_seq: int) -> PromptGraphs | None:
@@ -61,7 +64,7 @@ class PromptGraphs(StepGraphs):
     def _forward(self, t: int, graphed: bool) -> None:
         ids, positions, slots = self.tokens
         meta = AttentionMetadata(slots[:t], self.block_tables, self.seq_lens, self.cu_seqlens_q, max_seq_len=0,
-                                 is_decode=False)  # the prefill kernel needs no max
+                                 is_decode=False, state_slots=self.state_slots)  # the prefill kernel needs no max
         with forward_context(meta, graphed=graphed):
             hidden = self.model(ids[:t], positions[:t])
             self.model.compute_logits(hidden[self.logits_rows], out=self.logits)
@@ -86,6 +89,10 @@ class PromptGraphs(StepGraphs):
         self.tokens[:, :t].copy_(torch.from_numpy(padded), non_blocking=True)
         self.chunks.upload(ints)
         self.logits_rows.copy_(torch.from_numpy(rows), non_blocking=True)
+        if self.state_slots is not None:
+            state_slots = np.full(MAX_SEQS, -1, dtype=np.int32)
+            state_slots[: step.num_seqs] = step.state_slots
+            self.state_slots.copy_(torch.from_numpy(state_slots), non_blocking=True)
         if feed is not None:
             feed_device_tokens(self.tokens[0, :total], feed)
         return t

@@ -44,8 +44,10 @@ def warm_up(runner, share: tuple[int, int] | None = None) -> int:
         cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
         slots = torch.full((total,), -1, dtype=torch.long, device=dev)  # writes nothing
         decode_only = not chunks
+        # a model with recurrent state runs each warm-up sequence in a slot of its own (zeroed when handed out)
+        state_slots = np.arange(n, dtype=np.int32) % runner.state.num_slots if runner.state is not None else None
         meta = eager_metadata(dev, slots, np.zeros((n, 4), dtype=np.int32), seq_lens, cu,
-                              0 if decode_only else num_decodes, decode_only)
+                              0 if decode_only else num_decodes, decode_only, state_slots)
         with forward_context(meta):
             zeros = torch.zeros(total, dtype=torch.long, device=dev)
             hidden = runner.model(zeros, zeros)

@@ -29,6 +29,8 @@ class AttentionMetadata:
     prefill_block_tables: torch.Tensor | None = None
     prefill_seq_lens: torch.Tensor | None = None
     prefill_cu_seqlens_q: torch.Tensor | None = None
+    # models with recurrent layers: each sequence's state slot, in batch order (-1: a padding row); None without
+    state_slots: torch.Tensor | None = None
 
 
 class PagedAttention(nn.Module):
