@@ -1,0 +1,110 @@
+"""The engine on a hybrid model (tiny random Qwen3.5: Gated DeltaNet + gated full attention), CPU fp32: greedy
+outputs token-identical to transformers under 16-token chunks, mixed prompt lengths, forced preemption and
+prefix caching on and off; prefix hits that restore a state snapshot; n seeded samples equal to their n = 1
+twins; every state slot back in the pool at the end."""
+
+import pytest
+
+from engine_models import hf_greedy, tiny_qwen3_5
+from pagefleet.worker import LLM, SamplingParams
+from pagefleet.worker.core.config import EngineConfig
+from pagefleet.worker.engine.llm_engine import LLMEngine
+
+MAX_NEW = 12
+BLOCKS = 20  # of 16 tokens: the longest request fits, all eight at once do not
+
+
+@pytest.fixture(scope="module")
+def qwen3_5(tmp_path_factory):
+    return tiny_qwen3_5(tmp_path_factory.mktemp("hybrid") / "tiny")
+
+
+def prompts() -> list[list[int]]:
+    """Eight prompts of 3 to 150 tokens (ids below the tiny vocabulary of 512); two share 100 tokens."""
+    shared = [(7 * i + 3) % 500 + 3 for i in range(100)]
+    lens = [3, 17, 150, 40, 1, 64, 90]
+    out = [[(13 * i + 5 * n) % 500 + 3 for i in range(n)] for n in lens]
+    return out[:3] + [shared + [11, 12, 13], shared + [21] * 30] + out[3:6]
+
+
+@pytest.fixture(scope="module")
+def expected(qwen3_5):
+    ps = prompts()
+    return ps, hf_greedy(qwen3_5, ps, MAX_NEW)
+
+
+def greedy(max_tokens=MAX_NEW) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, min_tokens=max_tokens)  # as HF's min_new_tokens
+
+
+def assert_all_free(engine) -> None:
+    bm = engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+    assert bm.state.num_free == bm.state.num_slots and not bm.state.pending_snapshots
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_greedy_matches_transformers_with_small_chunks_and_preemption(qwen3_5, expected, prefix_caching):
+    ps, want = expected
+    llm = LLM(str(qwen3_5), max_model_len=200, max_num_batched_tokens=16, num_gpu_blocks_override=BLOCKS,
+              enable_prefix_caching=prefix_caching)
+    got = [o.outputs[0].token_ids for o in llm.generate(ps, greedy())]
+    stats = llm.engine.stats()
+    assert stats.num_preemptions_total > 0, "the KV budget was meant to force preemption"
+    assert max(s.num_prefill_tokens for s in stats.recent_steps) <= 16
+    assert any(s.num_prefill_tokens and s.num_decode_tokens for s in stats.recent_steps), "no mixed step"
+    for i, (g, e) in enumerate(zip(got, want, strict=True)):
+        assert g == e, f"prompt {i} ({len(ps[i])} tokens) differs from transformers"
+    assert_all_free(llm.engine)
+
+
+def test_prefix_hits_restore_the_state_snapshot(qwen3_5, expected):
+    ps, want = expected
+    llm = LLM(str(qwen3_5), max_model_len=200, num_gpu_blocks_override=100)
+    first = llm.generate([ps[3]], greedy())[0]
+    assert first.num_cached_tokens == 0 and first.outputs[0].token_ids == want[3]
+    # the prompt of 103 tokens left a snapshot at 96: a repeat hits 96, so does the prompt sharing 100 tokens;
+    # a prompt sharing only two blocks (no snapshot at 32) is cut back to no hit
+    other = ps[3][:40] + [5] * 20
+    outs = llm.generate([ps[3], ps[4], other], greedy())
+    assert [o.num_cached_tokens for o in outs] == [96, 96, 0]
+    assert outs[0].outputs[0].token_ids == want[3] and outs[1].outputs[0].token_ids == want[4]
+    assert outs[2].outputs[0].token_ids == hf_greedy(qwen3_5, [other], MAX_NEW)[0]
+    assert llm.engine.stats().prefix_cache_hits_total >= 192
+    llm.engine.block_manager.reset_prefix_cache()  # the snapshots go with their blocks
+    assert not llm.engine.block_manager.state.snapshot_of
+    assert llm.generate([ps[3]], greedy())[0].num_cached_tokens == 0
+    assert_all_free(llm.engine)
+
+
+def test_n4_seeded_samples_equal_their_n1_twins(qwen3_5):
+    llm = LLM(str(qwen3_5), max_model_len=200, max_num_batched_tokens=32, num_gpu_blocks_override=60)
+    prompt = [(11 * i + 7) % 500 + 3 for i in range(45)]  # 45 tokens: two chunks, then the fork
+    params = SamplingParams(n=4, temperature=1.0, seed=5, max_tokens=10, ignore_eos=True)
+    group = llm.generate(prompt, params)[0]
+    singles = [llm.generate(prompt, SamplingParams(temperature=1.0, seed=5 + i, max_tokens=10, ignore_eos=True))[0]
+               for i in range(4)]
+    for i in range(4):
+        assert group.outputs[i].token_ids == singles[i].outputs[0].token_ids, f"sample {i}"
+    assert len({tuple(o.token_ids) for o in group.outputs}) > 1  # seeds differ, so samples differ
+    assert_all_free(llm.engine)
+
+
+def test_abort_frees_the_state_slot_and_samples_beyond_the_slots_are_refused(qwen3_5):
+    llm = LLM(str(qwen3_5), max_model_len=200, max_num_seqs=4, num_gpu_blocks_override=40)
+    engine = llm.engine
+    assert engine.block_manager.state.num_slots == 4
+    engine.add_request("a", list(range(10, 50)), SamplingParams(n=2, temperature=1.0, seed=1, max_tokens=30))
+    engine.step()
+    engine.step()
+    assert engine.block_manager.state.num_free == 2
+    engine.abort_request("a")
+    assert_all_free(engine)
+    with pytest.raises(ValueError, match="state slot"):
+        engine.add_request("b", [5, 6, 7], SamplingParams(n=5))
+
+
+def test_startup_error_counts_the_state_slots(qwen3_5):
+    # ~11 KB a slot x (256 sequences + 64 snapshots) leave nothing of a 2 MB budget for the KV cache
+    with pytest.raises(ValueError, match="state slots"):
+        LLMEngine(EngineConfig(model=str(qwen3_5), max_model_len=200, kv_cache_memory_bytes=2 << 20, device="cpu"))
