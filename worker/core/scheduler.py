@@ -72,8 +72,12 @@ class Scheduler:
         # sample needs its own state slot: a request waits until its samples' slots and those owed to the
         # samples running parents still fork are free.
         num_seqs = owed = None
+        compiling: list[Sequence] = []  # grammars still compiling: they wait aside, keeping their place
         while self.waiting and budget > 0 and not batch.preempted:
             seq = self.waiting[0]
+            if seq.grammar is not None and not seq.grammar.ready:
+                compiling.append(self.waiting.popleft())
+                continue
             if num_seqs is None:
                 owed = sum(s.pending_forks for s in self.running)
                 num_seqs = len(self.running) + owed
@@ -98,6 +102,7 @@ class Scheduler:
             budget -= n
             num_seqs += seq.pending_forks + 1
             owed += seq.pending_forks
+        self.waiting.extendleft(reversed(compiling))
         batch.copies = self.block_manager.take_copies()
         batch.state_copies, batch.state_zeros, batch.state_snapshots = self.block_manager.take_state_ops()
         _decodes_first(batch)

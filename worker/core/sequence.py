@@ -35,6 +35,10 @@ class Sequence:
     num_cached_tokens: int = 0  # of those, served by the prefix cache at (re)admission
     pending_forks: int = 0  # samples still to split off once the prompt is done (n > 1 parents)
     lora_id: int = 0  # the LoRA adapter this sample runs with (0: the base model)
+    # (weight version, output tokens before it) for each version that ran this sample, oldest first:
+    # more than one only when it was held across a weight update (LLMEngine.pause("keep"))
+    weight_versions: list[tuple[int, int]] = field(default_factory=list)
+    grammar: object | None = None  # its output's grammar state (engine/structured_output.py): admitted once ready
     state_slot: int | None = None  # its slot of recurrent state (hybrid models) while it holds one
     finish_reason: str | None = None
     stop_reason: str | int | None = None
@@ -81,4 +85,6 @@ class Sequence:
         child.num_cached_tokens = self.num_cached_tokens
         child.arrival_time = self.arrival_time
         child.lora_id = self.lora_id
+        child.weight_versions = list(self.weight_versions)
+        child.grammar = self.grammar.fork() if self.grammar is not None else None  # its own matcher
         return child
