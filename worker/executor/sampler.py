@@ -8,7 +8,9 @@ is a counter-based hash of seed, output position and token id, so a seeded row's
 else in the batch). Penalised rows are processed in fp32 first, in vLLM's order: logit_bias, min_tokens,
 then repetition / presence / frequency penalties from the counts their slots keep on the device. Logprobs
 are of the model's logits (vLLM's raw logprobs), computed on the device and read back with the tokens.
-Sampling runs after the CUDA graphs' replay, outside them.
+Rows with a grammar (structured outputs) get their packed token bitmask uploaded and applied first, before
+everything else (-inf where the bit is 0, ids past the bitmask too), with greedy and sampled rows alike.
+Sampling runs after the CUDA graphs' replay, outside them, so the mask lands on the graphs' logits buffer.
 """
 
 from __future__ import annotations
@@ -24,6 +26,25 @@ from pagefleet.worker.core.outputs import TokenLogprobs
 from pagefleet.worker.core.sequence import Sequence
 from pagefleet.worker.executor import sampling_state as st
 from pagefleet.worker.models.layers import ops
+
+_BIT_SHIFTS: dict[torch.device, torch.Tensor] = {}
+
+
+def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """In place: logits[rows[g], t] = -inf where bit t of bitmask[g] (int32 words, bit t % 32 of word t // 32)
+    is 0, and for every t past the bitmask's 32 * W ids. All on the device: no host sync."""
+    G, W = bitmask.shape
+    V = logits.shape[1]
+    shifts = _BIT_SHIFTS.get(logits.device)
+    if shifts is None:
+        shifts = _BIT_SHIFTS[logits.device] = torch.arange(32, dtype=torch.int32, device=logits.device)
+    allowed = ((bitmask[:, :, None] >> shifts) & 1).view(G, W * 32).bool()
+    if W * 32 >= V:
+        allowed = allowed[:, :V]
+    else:  # logits wider than the grammar's vocabulary: the extra ids are never allowed
+        allowed = torch.cat([allowed, allowed.new_zeros(G, V - W * 32)], dim=1)
+    x = logits.index_select(0, rows).masked_fill_(~allowed, float("-inf"))
+    logits.index_copy_(0, rows, x)
 
 
 @dataclass
@@ -69,6 +90,9 @@ class Sampler:
         self.state = st.SamplingState(device, seed, max_num_seqs)
         # the Triton kernel on CUDA, its reference elsewhere (imported here: CPU processes skip Triton)
         self.kernel = importlib.import_module("pagefleet.kernels.sampling") if device.type == "cuda" else ref
+        # seqs -> (constrained rows int32 [G], bitmask int32 [G, W]) or None; the engine sets it at its first
+        # structured request (engine/structured_output.py), so steps before that pay nothing
+        self.grammar_bitmask = None
 
     def forget(self, seq: Sequence) -> None:
         self.state.forget(seq)
@@ -88,6 +112,9 @@ class Sampler:
     @torch.inference_mode()
     def sample_step(self, logits: torch.Tensor, seqs: list[Sequence]) -> Sampled:
         R, V = logits.shape
+        mask = self.grammar_bitmask(seqs) if self.grammar_bitmask is not None else None
+        if mask is not None:
+            apply_token_bitmask(logits, *self._upload_bitmask(*mask))
         lp_rows = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
         lp_counts = [seqs[i].params.logprobs for i in lp_rows]
         rows = self.state.rows(seqs, V, self.eos_token_ids)
@@ -126,6 +153,18 @@ class Sampler:
             pieces.append(dev[at: at + len(a)])
             at += n
         return pieces
+
+    def _upload_bitmask(self, rows: np.ndarray, bitmask: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows and bitmask in one pinned host-to-device copy (the step is synchronous anyway: the bitmask
+        needed the previous token on the host)."""
+        G, W = bitmask.shape
+        at = -(-G // 4) * 4
+        host = torch.empty(at + G * W, dtype=torch.int32, pin_memory=self.device.type == "cuda")
+        flat = host.numpy()
+        flat[:G] = rows
+        flat[at:] = bitmask.reshape(-1)
+        dev = host.to(self.device, non_blocking=True)
+        return dev[:G].long(), dev[at:].view(G, W)
 
     def _process(self, x: torch.Tensor, params: torch.Tensor, prow: torch.Tensor) -> None:
         """logit_bias, min_tokens, then repetition / presence / frequency penalties on rows prow of x (fp32)."""
