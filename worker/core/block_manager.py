@@ -50,6 +50,8 @@ class BlockManager:
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0  # of those, found
         self.state = state
+        # sequences whose K/V mixes two weight versions (held across an update): their blocks are never cached
+        self.uncacheable: set[int] = set()
 
     # ---- pool
 
@@ -161,7 +163,7 @@ class BlockManager:
             h = block_hash(parent, tokens, seq.lora_id)  # an adapter's K/V differ from the base model's
             seq.block_hashes.append(h)
             parent = h
-            if not self.enable_prefix_caching:
+            if not self.enable_prefix_caching or seq.seq_id in self.uncacheable:
                 continue
             block = self.blocks[seq.block_table[i]]
             if block.hash is None and h not in self.hash_to_block:
@@ -180,6 +182,8 @@ class BlockManager:
         for block_id in parent.block_table:
             self._ref(block_id)
         child.block_table = list(parent.block_table)
+        if parent.seq_id in self.uncacheable:
+            self.uncacheable.add(child.seq_id)
         if self.state is not None:  # the child's own state slot starts as a copy of the parent's
             child.state_slot = self.state.fork(parent.state_slot)
 
@@ -193,6 +197,7 @@ class BlockManager:
         seq.block_table = []
         seq.block_hashes = []
         seq.num_computed_tokens = 0
+        self.uncacheable.discard(seq.seq_id)  # recomputed from here on, with one weight version
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block (benchmarks: each workload starts cold, as on a fresh server)."""
@@ -203,6 +208,17 @@ class BlockManager:
                 if self.state is not None:
                     self.state.drop_snapshot(block.hash)
             block.hash, block.token_ids = None, None
+
+    def drop_prefix_cache(self, held: list[Sequence]) -> None:
+        """New weights: forget every cached block, those running sequences hold too (their K/V stays theirs);
+        the held sequences that have K/V already never add blocks to the cache again."""
+        if self.state is not None:
+            for h in self.hash_to_block:
+                self.state.drop_snapshot(h)
+        for block in self.blocks:
+            block.hash, block.token_ids = None, None
+        self.hash_to_block.clear()
+        self.uncacheable.update(seq.seq_id for seq in held if seq.block_table)
 
     # ---- state slots (models with recurrent layers)
 

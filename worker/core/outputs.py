@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -29,6 +29,9 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    weight_version: int = 0  # the weight version that produced the last token
+    # every weight version that ran this request, oldest first (two or more: held across an update)
+    weight_versions: list[int] = field(default_factory=list)
 
     @property
     def num_generated_tokens(self) -> int:

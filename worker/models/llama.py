@@ -164,13 +164,18 @@ class LlamaForCausalLM(nn.Module):
         gate_up) and set it to 1. The model computes the same function (to bf16 rounding) on every path,
         and forward_folded can apply a norm as a row scale inside the next GEMV. Not with LoRA: adapters
         read the norm's output with its weight. The final norm stays: lm_head may share the embeddings."""
-        for layer in self.model.layers:
-            for norm, linear in ((layer.input_layernorm, layer.self_attn.qkv_proj),
-                                 (layer.post_attention_layernorm, layer.mlp.gate_up_proj)):
-                # in place, with no fp32 copy of gate_up (470 MB at 8B): torch rounds the product once either way
-                linear.weight.mul_(norm.weight)
-                norm.weight.fill_(1.0)
+        for norm, linear in self.norm_linear_pairs():
+            # in place, with no fp32 copy of gate_up (470 MB at 8B): torch rounds the product once either way
+            linear.weight.mul_(norm.weight)
+            norm.unfolded_weight = norm.weight.clone()  # what a weight update folds in again (loader.apply_weights)
+            norm.weight.fill_(1.0)
         self.norms_folded = True
+
+    def norm_linear_pairs(self):
+        """(norm, linear) for each decoder norm and the linear that reads its output: what fold_norms folds."""
+        for layer in self.model.layers:
+            yield layer.input_layernorm, layer.self_attn.qkv_proj
+            yield layer.post_attention_layernorm, layer.mlp.gate_up_proj
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """out: a buffer to write into (the decode graphs' static logits)."""
@@ -199,12 +204,17 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"weight shape {tuple(tensor.shape)} does not match parameter {tuple(param.shape)}")
             param.data.copy_(tensor)
             return
+        offset, size = self.shard_rows(shard)
+        if tensor.shape != (size, *param.shape[1:]):
+            raise ValueError(f"packed shard {shard} has shape {tuple(tensor.shape)}, expected "
+                             f"{(size, *param.shape[1:])}")
+        param.data.narrow(0, offset, size).copy_(tensor)
+
+    def shard_rows(self, shard: object) -> tuple[int, int]:
+        """(first row, rows) of a packed shard in its parameter (q / k / v of qkv_proj, 0 / 1 of gate_up_proj)."""
         c = self.config
         q, kv, inter = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim, c.intermediate_size
-        offset, size = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv), 0: (0, inter), 1: (inter, inter)}[shard]
-        if tensor.shape[0] != size:
-            raise ValueError(f"packed shard {shard} has {tensor.shape[0]} rows, expected {size}")
-        param.data.narrow(0, offset, size).copy_(tensor)
+        return {"q": (0, q), "k": (q, kv), "v": (q + kv, kv), 0: (0, inter), 1: (inter, inter)}[shard]
 
     def expected_weights(self) -> list[str]:
         names = []

@@ -134,33 +134,258 @@ def safetensors_files(path: Path) -> list[Path]:
     return sorted(path.glob("*.safetensors"))
 
 
-def load_weights(model: torch.nn.Module, path: Path, device: torch.device) -> None:
-    """Copy every checkpoint tensor into its (possibly packed) parameter; fail on missing weights."""
+def checkpoint_shapes(path: Path) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of every tensor in a checkpoint folder, read from the safetensors headers only."""
     from safetensors import safe_open
 
-    params = dict(model.named_parameters())
-    loaded: set[str] = set()
+    shapes = []
+    for file in safetensors_files(path):
+        with safe_open(str(file), framework="pt") as f:
+            shapes += [(name, tuple(f.get_slice(name).get_shape())) for name in f.keys()]
+    return shapes
+
+
+def checkpoint_tensors(path: Path, device: torch.device):
+    """(name, tensor) for every tensor of a checkpoint folder, memory-mapped, one at a time. One-dimensional
+    tensors (norms, biases) come first: a folded linear is written with its norm already known (apply_weights)."""
+    from safetensors import safe_open
+
     files = safetensors_files(path)
-    total = sum(1 for f in files for _ in safe_open(str(f), "pt").keys())
-    bar = tqdm(total=total, desc="load weights", unit="tensor", disable=total < 50)
-    for file in files:
-        # Load on the target device directly where safetensors can; the file is memory-mapped either way.
-        with safe_open(str(file), framework="pt", device=str(device) if device.type == "cuda" else "cpu") as f:
-            for name in f.keys():
-                bar.update()
-                target, shard = model.map_weight_name(name)
-                if target is None:
-                    continue
-                if target not in params:
-                    raise ModelFolderError(f"checkpoint tensor {name} has no place in {type(model).__name__}")
-                model.load_weight(params[target], f.get_tensor(name), shard)
-                loaded.add(target if shard is None else f"{target}:{shard}")
+    for one_dim in (True, False):
+        for file in files:
+            # on the target device directly where safetensors can; the file is memory-mapped either way
+            with safe_open(str(file), framework="pt", device=str(device) if device.type == "cuda" else "cpu") as f:
+                for name in f.keys():
+                    if (len(f.get_slice(name).get_shape()) == 1) == one_dim:
+                        yield name, f.get_tensor(name)
+
+
+def load_weights(model: torch.nn.Module, path: Path, device: torch.device) -> None:
+    """Copy every checkpoint tensor into its (possibly packed) parameter; fail on missing weights."""
+    shapes = checkpoint_shapes(path)
+    bar = tqdm(total=len(shapes), desc="load weights", unit="tensor", disable=len(shapes) < 50)
+    loaded = apply_weights(model, _counted(checkpoint_tensors(path, device), bar))
     bar.close()
     missing = [n for n in model.expected_weights() if n not in loaded]
     if missing:
         more = " …" if len(missing) > 5 else ""
         raise ModelFolderError(f"checkpoint {path} lacks weights: {', '.join(missing[:5])}{more}")
     model.tie_weights_if_needed()
+
+
+def _counted(items, bar):
+    for item in items:
+        bar.update()
+        yield item
+
+
+# ---- one path for loading and for updates in place (RL: disk, tensors, broadcast)
+#
+# A loaded model may have been transformed after loading: decoder norms folded into the linears after them
+# (LlamaForCausalLM.fold_norms; the norm parameters then hold 1 and each norm keeps its real weight as
+# `unfolded_weight`), and decoder linears quantised to e4m3 with per-row scales (layers/fp8.py). An update
+# writes what a fresh load of the new weights would hold: a linear's rows are the new rows times the norm
+# (one rounding to the serving dtype, as fold_norms rounds), then quantised per row where FP8. Only a norm
+# updated without every row of its linear needs the old rows back: they are rescaled by new / old norm in
+# fp32 from the folded (or dequantised) rows, one more rounding than a fresh load (bf16: at most an ulp;
+# FP8: within its rounding). Every write is a copy into the existing storage: the CUDA graphs captured
+# those addresses.
+
+
+def check_weights(model: torch.nn.Module, shapes) -> dict[str, tuple[str | None, object]]:
+    """Check an update's (name, shape) pairs against the model before anything is written: every name must
+    have a place and every shape fit it. Returns name -> (our parameter, shard); ValueError names every
+    tensor that does not fit."""
+    import torch
+
+    params = dict(model.named_parameters())
+    plan: dict[str, tuple[str | None, object]] = {}
+    bad: list[str] = []
+    for name, shape in shapes:
+        target, shard = model.map_weight_name(name)
+        plan[name] = (target, shard)
+        if target is None:
+            continue
+        if target not in params:
+            bad.append(f"{name} (no such weight in {type(model).__name__})")
+            continue
+        param = params[target]
+        try:  # the model's own copy, on shapes only: packed shards and layout changes are checked as loading does
+            model.load_weight(torch.empty(param.shape, dtype=param.dtype, device="meta"),
+                              torch.empty(tuple(shape), dtype=torch.float32, device="meta"), shard)
+        except (ValueError, RuntimeError):
+            bad.append(f"{name} (shape {tuple(shape)}, expected {_expected_shape(model, param, shard)})")
+    bad += _unrecoverable_norms(model, params, plan)
+    if bad:
+        more = f" and {len(bad) - 20} more" if len(bad) > 20 else ""
+        raise ValueError(f"weight update refused, nothing was changed: {'; '.join(bad[:20])}{more}")
+    return plan
+
+
+def _expected_shape(model, param, shard) -> tuple[int, ...] | str:
+    if shard is None:
+        return tuple(param.shape)
+    try:
+        return (model.shard_rows(shard)[1], *param.shape[1:])
+    except (AttributeError, KeyError):
+        return f"shard {shard} of {tuple(param.shape)}"
+
+
+def _folded_pairs(model, params) -> dict[str, tuple[torch.nn.Module, str]]:
+    """Folded norms: norm parameter name -> (the norm module, the name of the linear weight it is folded into)."""
+    if not getattr(model, "norms_folded", False):
+        return {}
+    name_of = {id(p): n for n, p in params.items()}
+    return {name_of[id(norm.weight)]: (norm, name_of[id(linear.weight)]) for norm, linear in model.norm_linear_pairs()}
+
+
+def _rows(model, param, shard) -> tuple[int, int]:
+    return (0, param.shape[0]) if shard is None else model.shard_rows(shard)
+
+
+def _unwritten(total: int, written: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """(first row, rows) of the rows [0, total) outside every written (first row, rows)."""
+    gaps, at = [], 0
+    for offset, size in sorted(written):
+        if offset > at:
+            gaps.append((at, offset - at))
+        at = max(at, offset + size)
+    if at < total:
+        gaps.append((at, total - at))
+    return gaps
+
+
+def _unrecoverable_norms(model, params, plan) -> list[str]:
+    """A folded norm updated without all of its linear's rows: the rows left are rescaled by new / old norm,
+    which an old norm weight of 0 made impossible (its column was folded to 0)."""
+    folds = _folded_pairs(model, params)
+    bad = []
+    for name, (target, _) in plan.items():
+        if target not in folds:
+            continue
+        norm, linear = folds[target]
+        written = [_rows(model, params[t], sh) for t, sh in plan.values() if t == linear]
+        if _unwritten(params[linear].shape[0], written) and bool((norm.unfolded_weight == 0).any()):
+            bad.append(f"{name} (its folded norm weight has zeros: update {linear.replace('_proj', '')}'s "
+                       f"checkpoint tensors with it)")
+    return bad
+
+
+def apply_weights(model: torch.nn.Module, named_tensors, plan: dict | None = None) -> set[str]:
+    """Copy checkpoint-named tensors into the model's parameters, each through map_weight_name and
+    load_weight, in place. Loading (plan None) maps each tensor as it comes; an update passes the plan of
+    check_weights, made before anything was written. Folded norms and FP8 linears get what a fresh load
+    would hold (see above). Returns what was written, as expected_weights names it."""
+    import torch
+
+    writer = _WeightWriter(model, plan)
+    with torch.no_grad():
+        for name, tensor in named_tensors:
+            writer.write(name, tensor)
+        writer.finish()
+    return writer.loaded
+
+
+class _WeightWriter:
+    def __init__(self, model, plan: dict | None):
+        self.model, self.plan = model, plan
+        self.params = dict(model.named_parameters())
+        self.folds = _folded_pairs(model, self.params)
+        self.norm_of = {linear: norm_name for norm_name, (_, linear) in self.folds.items()}
+        # folded norms this update brings that have not arrived: the linear rows that need them wait
+        self.awaited = {t for t, _ in (plan or {}).values() if t in self.folds}
+        self.waiting: dict[str, list[tuple[str, object, torch.Tensor]]] = {}
+        self.new_norms: dict[str, torch.Tensor] = {}
+        self.written: dict[str, list[tuple[int, int]]] = {}
+        self.loaded: set[str] = set()
+        self.dtype = next(p.dtype for n, p in self.params.items()
+                          if p.dtype.is_floating_point and p.element_size() > 1 and not n.endswith("weight_scale"))
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        if self.plan is None:
+            target, shard = self.model.map_weight_name(name)
+            if target is not None and target not in self.params:
+                raise ModelFolderError(f"checkpoint tensor {name} has no place in {type(self.model).__name__}")
+        elif name in self.plan:
+            target, shard = self.plan[name]
+        else:
+            raise ValueError(f"weight {name} was not in the checked update")
+        if target is None:
+            return
+        param = self.params[target]
+        if target in self.folds:  # the parameter stays 1: the new weight is folded into the linear's rows
+            new = tensor.to(device=param.device, dtype=param.dtype)
+            if new.shape != param.shape:
+                raise ValueError(f"weight shape {tuple(tensor.shape)} does not match parameter {tuple(param.shape)}")
+            self.new_norms[target] = new
+            self.awaited.discard(target)
+            for args in self.waiting.pop(target, []):
+                self._write_linear(*args)
+        elif self.norm_of.get(target) in self.awaited:  # its new norm is still to come: hold a copy till then
+            self.waiting.setdefault(self.norm_of[target], []).append(
+                (target, shard, tensor.to(device=param.device, dtype=self.dtype, copy=True)))
+        elif target in self.norm_of or self._fp8(target) is not None:
+            self._write_linear(target, shard, tensor)
+        else:
+            self.model.load_weight(param, tensor, shard)
+        self.loaded.add(target if shard is None else f"{target}:{shard}")
+
+    def _fp8(self, target: str):
+        from pagefleet.worker.models.layers.fp8 import Fp8Linear
+
+        module = self.model.get_submodule(target.rsplit(".", 1)[0])
+        return module if isinstance(module, Fp8Linear) and target.endswith(".weight") else None
+
+    def _norm(self, linear: str) -> torch.Tensor | None:
+        """The real (unfolded) weight of the norm folded into this linear, after this update."""
+        norm_name = self.norm_of.get(linear)
+        if norm_name is None:
+            return None
+        return self.new_norms.get(norm_name, self.folds[norm_name][0].unfolded_weight)
+
+    def _write_linear(self, target: str, shard, tensor: torch.Tensor) -> None:
+        from pagefleet.worker.models.layers import ops
+
+        param = self.params[target]
+        offset, size = _rows(self.model, param, shard)
+        if tensor.shape != (size, *param.shape[1:]):
+            raise ValueError(f"weight shape {tuple(tensor.shape)} does not fit rows {offset}:{offset + size} of "
+                             f"{target} {tuple(param.shape)}")
+        norm, fp8 = self._norm(target), self._fp8(target)
+        if fp8 is None:
+            rows = param.data.narrow(0, offset, size)
+            rows.copy_(tensor)
+            if norm is not None:
+                rows.mul_(norm)  # as fold_norms: the serving dtype's product, rounded once
+        else:
+            w = tensor.to(device=param.device, dtype=self.dtype)
+            q, scale = ops.quantize_weight_fp8(w * norm if norm is not None else w)
+            param.data.narrow(0, offset, size).copy_(q)
+            fp8.weight_scale.data.narrow(0, offset, size).copy_(scale)
+        self.written.setdefault(target, []).append((offset, size))
+
+    def finish(self) -> None:
+        for norm_name, args in self.waiting.items():  # a norm named in the plan that never came: fold the old one
+            self.awaited.discard(norm_name)
+            for a in args:
+                self._write_linear(*a)
+        for norm_name, new in self.new_norms.items():
+            norm, linear = self.folds[norm_name]
+            old = norm.unfolded_weight
+            ratio = new.float() / old.float()
+            param, fp8 = self.params[linear], self._fp8(linear)
+            for offset, size in _unwritten(param.shape[0], self.written.get(linear, [])):
+                rows = param.data.narrow(0, offset, size)
+                if fp8 is None:
+                    rows.copy_(rows.float() * ratio)
+                else:
+                    from pagefleet.worker.models.layers import ops
+
+                    scales = fp8.weight_scale.data.narrow(0, offset, size)
+                    q, scale = ops.quantize_weight_fp8(rows.float() * scales[:, None] * ratio)
+                    rows.copy_(q)
+                    scales.copy_(scale)
+            old.copy_(new)
 
 
 def load_tokenizer(path: Path):
