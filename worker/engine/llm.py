@@ -66,6 +66,36 @@ class LLM:
     def is_sleeping(self) -> bool:
         return self.engine.is_sleeping
 
+    # ---- RL: weight updates in place, pause and resume (LLMEngine, engine/weight_updates.py)
+
+    @property
+    def weight_version(self) -> int:
+        return self.engine.weight_version
+
+    @property
+    def is_paused(self) -> bool:
+        return self.engine.is_paused
+
+    def update_weights_from_disk(self, path: str) -> int:
+        return self.engine.update_weights_from_disk(path)
+
+    def update_weights_from_tensor(self, named_tensors) -> int:
+        return self.engine.update_weights_from_tensor(named_tensors)
+
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                  group_name: str = "weight_update_group", backend: str | None = None) -> None:
+        self.engine.init_weights_update_group(master_address, master_port, rank_offset, world_size, group_name,
+                                              backend)
+
+    def update_weights_from_distributed(self, names, dtypes, shapes, group_name: str | None = None) -> int:
+        return self.engine.update_weights_from_distributed(names, dtypes, shapes, group_name)
+
+    def pause(self, mode: str = "abort") -> list[RequestOutput]:
+        return self.engine.pause(mode)
+
+    def resume(self) -> None:
+        self.engine.resume()
+
     def chat(self, conversations: list[dict] | list[list[dict]], params: SamplingParams | None = None,
              use_tqdm: bool = False):
         if conversations and isinstance(conversations[0], dict):
@@ -75,6 +105,8 @@ class LLM:
 
     def _run(self, prompt_ids: list[list[int]], params: list[SamplingParams], use_tqdm: bool,
              lora_name: str | None = None) -> list[RequestOutput]:
+        if self.engine.is_paused:
+            raise ValueError("the engine is paused: resume() it before generating")
         for ids, p in zip(prompt_ids, params, strict=True):  # check all before adding any, so a bad one adds nothing
             self.engine.check_request(ids, p, lora_name)
         order = []

@@ -17,7 +17,8 @@ from pagefleet.worker.core.sequence import Sequence
 from pagefleet.worker.core.state_slots import StateSlots
 from pagefleet.worker.engine import stats as engine_stats
 from pagefleet.worker.engine.stats import EngineStats, StepRecord
-from pagefleet.worker.engine.step import PLACEHOLDER, EngineStep, PendingStep
+from pagefleet.worker.engine.step import PLACEHOLDER, PendingStep
+from pagefleet.worker.engine.weight_updates import WeightUpdates, output_versions
 from pagefleet.worker.executor.startup import compile_workers as precompile
 from pagefleet.worker.models.loader import load_model_config, load_tokenizer, resolve_model_path
 
@@ -37,7 +38,7 @@ class Request:
     seqs: list[Sequence]
 
 
-class LLMEngine(EngineStep):
+class LLMEngine(WeightUpdates):
     def __init__(self, config: EngineConfig):
         start = time.perf_counter()
         self.config = config.validate()
@@ -76,6 +77,10 @@ class LLMEngine(EngineStep):
         self.steps_total = 0
         self.recent_steps: deque[StepRecord] = deque(maxlen=2048)
         self.pending: PendingStep | None = None  # an overlapped step not yet read back
+        self.weight_version = 0  # +1 per weight update (weight_updates.py)
+        self.paused: str | None = None
+        self.held: list[Sequence] = []  # arrived or not started while paused: scheduled on resume
+        self.weight_groups: dict = {}
 
     def _state_slots(self) -> StateSlots | None:
         """The state slot pool of a model with recurrent layers, over the runner's state cache (None without)."""
@@ -120,7 +125,8 @@ class LLMEngine(EngineStep):
             parent.lora_id = self.runner.lora.id_of[lora_name]
         parent.pending_forks = params.n - 1  # the other samples split off once the shared prompt is done
         self.requests[request_id] = Request(request_id, list(prompt_token_ids), params, [parent])
-        self.scheduler.add(parent)
+        parent.weight_versions = [(self.weight_version, 0)]
+        (self.held.append if self.paused is not None else self.scheduler.add)(parent)
         self.prompt_tokens_total += len(prompt_token_ids)
 
     def abort_request(self, request_id: str) -> None:
@@ -201,7 +207,8 @@ class LLMEngine(EngineStep):
         return super().step()
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        """While paused: only when something is left to step (pause("wait") draining)."""
+        return bool(self.requests) and (self.paused is None or (self.paused != "keep" and self.in_flight() > 0))
 
     # ---- outputs
 
@@ -226,8 +233,9 @@ class LLMEngine(EngineStep):
             completions.append(CompletionOutput(seq.index, text, ids, seq.finish_reason,
                                                 list(seq.logprobs) if seq.logprobs is not None else None,
                                                 seq.stop_reason))
+        version, versions = output_versions(request.seqs, [len(c.token_ids) for c in completions])
         return RequestOutput(request.request_id, request.prompt_token_ids, completions, finished,
-                             request.seqs[0].num_cached_tokens)
+                             request.seqs[0].num_cached_tokens, version, versions)
 
     # ---- observability
 
