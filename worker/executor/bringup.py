@@ -56,8 +56,9 @@ def load_model(config: EngineConfig, model_config: ModelConfig, model_path, dtyp
     them, quantised for --quantization fp8."""
     model = build_model(model_config, model_path, dtype, device)
     if (device.type == "cuda" and not config.enforce_eager and not config.enable_lora
-            and dtype in (torch.bfloat16, torch.float16)):
-        # decode graphs then launch no per-layer norm (LlamaForCausalLM.forward_folded); before FP8
+            and dtype in (torch.bfloat16, torch.float16) and hasattr(model, "fold_norms")):
+        # decode graphs then launch no per-layer norm (LlamaForCausalLM.forward_folded; the Qwen3.5 hybrid
+        # has no folded path); before FP8
         # quantisation, so the scales cover the folded weights
         model.fold_norms()
     if config.quantization == "fp8":
