@@ -104,13 +104,6 @@ class AsyncLLMEngine:
                 else:
                     if result is not _LATER:
                         done.set_result(result)
-            elif op == "lora":  # request_id is the adapter's name here; rest = (path or None, future)
-                path, done = rest
-                try:
-                    self.engine.load_lora(request_id, path) if path is not None else self.engine.unload_lora(request_id)
-                    done.set_result(None)
-                except ValueError as e:
-                    done.set_exception(e)
             else:
                 self.engine.abort_request(request_id)
 
@@ -219,18 +212,10 @@ class AsyncLLMEngine:
     # ---- LoRA adapters: loaded and unloaded by the loop thread, between two steps
 
     async def load_lora(self, name: str, path: str) -> None:
-        await self._lora_op(name, path)
+        await self.call(lambda: self.engine.load_lora(name, path))
 
     async def unload_lora(self, name: str) -> None:
-        await self._lora_op(name, None)
-
-    async def _lora_op(self, name: str, path: str | None) -> None:
-        if self._error is not None:
-            raise EngineDeadError(f"engine loop stopped: {self._error}")
-        done: concurrent.futures.Future = concurrent.futures.Future()
-        self._inbox.put(("lora", name, path, done))
-        self._wake.set()
-        await asyncio.wrap_future(done)
+        await self.call(lambda: self.engine.unload_lora(name))
 
     def lora_names(self) -> list[str]:
         return self.engine.lora_names()
