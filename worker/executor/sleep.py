@@ -386,14 +386,15 @@ class SleepMode:
         """Move every tensor of the loaded model into the weights region, one storage at a time: each loaded
         storage is freed once copied, and the region maps 1 GiB at a time after returning the allocator's free
         blocks, so the peak is about the model plus one chunk, not two models."""
-        groups: dict[int, list[tuple]] = {}  # storage address -> (module, kind, name)
+        groups: dict[int, list[tuple]] = {}  # storage address -> (module, kind, name, geometry)
         is_param: dict[int, bool] = {}
         sizes: dict[int, int] = {}
         for module, kind, name, t in _model_tensors(model):
             if t.device != self.device or t.untyped_storage().nbytes() == 0:
                 continue
             key = t.untyped_storage().data_ptr()
-            groups.setdefault(key, []).append((module, kind, name))
+            # the geometry as loaded: a tied weight is met twice as one Parameter, already moved the second time
+            groups.setdefault(key, []).append((module, kind, name, t.dtype, t.size(), t.stride(), t.storage_offset()))
             is_param[key] = is_param.get(key, False) or kind == "param"
             sizes[key] = t.untyped_storage().nbytes()
         t = None  # holds no loaded storage past its copy
@@ -401,17 +402,15 @@ class SleepMode:
         chunk = WEIGHT_CHUNK_BYTES if self.device.type == "cuda" else None
         self.weights = region = Region(self.device, capacity, chunk)
         for key, members in groups.items():
-            first = _current(*members[0])
+            first = _current(*members[0][:3])
             storage = first.untyped_storage()
             nbytes = storage.nbytes()
             offset = region.alloc(nbytes)
             region.bytes[offset : offset + nbytes].copy_(
                 torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage, 0, (nbytes,), (1,)))
             del first, storage
-            for module, kind, name in members:
-                t = _current(module, kind, name)
-                _replace(module, kind, name, region.view(offset, t.dtype, t.size(), t.stride(), t.storage_offset()))
-                del t
+            for module, kind, name, dtype, size, stride, storage_offset in members:
+                _replace(module, kind, name, region.view(offset, dtype, size, stride, storage_offset))
             if not is_param[key]:
                 self.buffer_ranges.append((offset, nbytes))
         if self.device.type == "cuda":
