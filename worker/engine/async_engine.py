@@ -331,6 +331,7 @@ class AsyncLLMEngine:
             # name -> folder: the gateway routes an adapter's requests to the workers holding it, and the
             # operator loads and unloads adapters to match spec.lora (a copy: the loop thread may change it)
             "lora_adapters": self.engine.lora_paths(),
+            "weight_version": self.engine.weight_version,  # which policy a trainer's next samples come from
         }
 
     def stats(self) -> EngineStats:

@@ -173,7 +173,10 @@ async def generate(state: ServerState, request: Request, chat: bool, model: str,
                 else:
                     c["text"] = o.text
                 choices.append(c)
-        return JSONResponse({**head, "choices": choices, "usage": usage(prompt_tokens, completion_tokens())})
+        # the policy that produced the samples, for an RL trainer (SGLang reports it in its meta info)
+        version = max(out.weight_version for out in final.values())
+        return JSONResponse({**head, "choices": choices, "usage": usage(prompt_tokens, completion_tokens()),
+                             "weight_version": version})
 
     chunk_head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
     extra = {"usage": None} if include_usage else {}
