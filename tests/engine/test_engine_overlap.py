@@ -132,6 +132,7 @@ async def test_abort_from_outside_ends_the_stream_and_frees_blocks(tiny_models):
             "kv_cache_usage": 0.0,
             "max_num_seqs": 256,
             "lora_adapters": {},
+            "weight_version": 0,
         }
     finally:
         engine.shutdown()
