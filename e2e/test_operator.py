@@ -559,7 +559,7 @@ def test_kubectl_scale_sets_deployment_replicas(cluster, namespace, operator):
     kubectl(cluster, "scale", "infsvc", "scaled", "-n", namespace, "--replicas=0")
     wait_for("Deployment back at 0",
              lambda: (get_json(cluster, "deployment", "scaled", "-n", namespace) or {}).get("spec", {})
-             .get("replicas") == 0, 60)
+             .get("replicas") == 0, 60, on_timeout=operator.log_tail)
     kubectl(cluster, "delete", "infsvc", "scaled", "-n", namespace, "--wait=true", "--timeout=60s")
 
 

@@ -7,6 +7,7 @@ import logging
 import os
 from typing import Any
 
+import httpx
 import kopf
 
 from pagefleet.operator import kube, resources, scale_to_zero, sweep
@@ -86,7 +87,12 @@ def reconcile(body: kopf.Body, patch: kopf.Patch, logger: logging.Logger, **_: A
     logger.info("applied %s for generation %s",
                 ", ".join(f"{m['kind']}/{m['metadata']['name']}" for m in manifests), body.metadata.get("generation"))
     patch.status["observedGeneration"] = body.metadata.get("generation")
-    patch.status.update(sweep.observed_status(client, _plain(body)))
+    try:
+        patch.status.update(sweep.observed_status(client, _plain(body)))
+    except (kube.ApiError, httpx.HTTPError) as err:
+        # The children are applied; a failed read of them must not hold this handler in kopf's retry
+        # backoff (60 s), which would delay the next spec change. The sweep refreshes status within seconds.
+        logger.warning("status after applying generation %s: %s", body.metadata.get("generation"), err)
 
 
 @kopf.on.field(GROUP, VERSION, PLURAL, field="spec.replicas")
