@@ -164,3 +164,9 @@ def test_triton_kernels_under_interpreter():
     """Every Triton kernel against its reference on tiny CPU shapes (fp32, fp16), in a child process."""
     pytest.importorskip("triton")
     run_under_interpreter(Path(__file__).parent / "test_kernels_triton.py", timeout=300)
+
+
+def test_gdn_triton_kernels_under_interpreter():
+    """The Gated DeltaNet kernels (conv, recurrent step, chunked rule) against gdn_reference, in a child process."""
+    pytest.importorskip("triton")
+    run_under_interpreter(Path(__file__).parent / "test_gdn_triton.py", timeout=300)

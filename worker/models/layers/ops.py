@@ -26,8 +26,8 @@ def use_triton(enabled: bool) -> None:
         _triton = None
         return
     # imported here, not at the top: the Triton modules import triton, which CPU-only processes skip
-    names = ("activation", "arrivals", "attention", "fp8", "gemv", "greedy", "kv_cache", "norm", "prefill_attention",
-             "rope")
+    names = ("activation", "arrivals", "attention", "causal_conv1d", "fp8", "gdn_chunk", "gdn_recurrent", "gemv",
+             "greedy", "kv_cache", "norm", "prefill_attention", "rope")
     _triton = {name: importlib.import_module(f"pagefleet.kernels.{name}") for name in names}
 
 
@@ -216,21 +216,30 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seql
 
 
 
-# ---- Gated DeltaNet (layers/gated_deltanet.py): the torch references for now, on every device
+# ---- Gated DeltaNet (layers/gated_deltanet.py): Triton kernels on CUDA (kernels/causal_conv1d.py, gdn_recurrent.py,
+# gdn_chunk.py), the torch references (kernels/gdn_reference.py) elsewhere
 def causal_conv1d(x, weight, conv_state, state_slots, cu_seqlens=None):
     """Depthwise causal conv + SiLU over each sequence, continued from and updating its slot's conv state;
     cu_seqlens None: one token per sequence (decode)."""
-    return gdn_ref.causal_conv1d(x, weight, conv_state, state_slots, cu_seqlens)
+    impl = _triton["causal_conv1d"] if _triton and x.is_cuda else gdn_ref
+    return impl.causal_conv1d(x, weight, conv_state, state_slots, cu_seqlens)
 
 
 def chunk_gated_delta_rule(q, k, v, a, b, A_log, dt_bias, ssm_state, state_slots, cu_seqlens):
     """Prompt chunks: the gating (g, beta from a, b), then the chunked rule from each slot's state."""
+    if _triton and v.is_cuda:
+        return _triton["gdn_chunk"].chunk_gated_delta_rule(q, k, v, a, b, A_log, dt_bias, ssm_state, state_slots,
+                                                           cu_seqlens)
     g, beta = gdn_ref.gdn_gating(A_log, a, dt_bias, b)
     return gdn_ref.chunk_gated_delta_rule(q, k, v, g, beta, ssm_state, state_slots, cu_seqlens)
 
 
 def recurrent_gated_delta_rule(q, k, v, a, b, A_log, dt_bias, ssm_state, state_slots):
-    """Decodes (row i is sequence i): the gating, then one recurrent step of each slot's state."""
+    """Decodes (row i is sequence i): the gating, then one recurrent step of each slot's state (one launch on
+    CUDA, graph-capturable)."""
+    if _triton and v.is_cuda:
+        return _triton["gdn_recurrent"].recurrent_gated_delta_rule(q, k, v, a, b, A_log, dt_bias, ssm_state,
+                                                                   state_slots)
     g, beta = gdn_ref.gdn_gating(A_log, a, dt_bias, b)
     return gdn_ref.recurrent_gated_delta_rule(q, k, v, g, beta, ssm_state, state_slots)
 

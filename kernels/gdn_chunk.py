@@ -1,0 +1,162 @@
+"""The chunked gated delta rule in Triton: prompt chunks of varlen packed sequences, each from and back to its slot.
+
+The form of gdn_reference.chunk_gated_delta_rule_one (chunks of 64 tokens restarting at every sequence start):
+  1. per (chunk, value head), in parallel: G = cumsum(g) in the chunk, A = strictly-lower(beta_i k_i.k_j e^(G_i-G_j)),
+     X = (I + A)^-1 by forward substitution, w = X (beta k e^G), u = X (beta v), and the decayed causal
+     q.k scores of the chunk;
+  2. per (sequence, value head, value columns), over its chunks in order: v' = u - w S, o = (q e^G) S + scores v',
+     S = e^(G_last) S + (k e^(G_last - G))^T v'; the final S goes back to the slot.
+q and k arrive l2-normalised (q scaled) in fp32 from the wrapper; the gating is the reference's, on the device.
+Prefill is not captured in a graph: the chunk lists are built on the host from cu_seqlens.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from .gdn_reference import gdn_gating, l2norm
+
+CHUNK = 64
+
+
+@triton.jit
+def _chunk_prepare_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, cs_ptr, ce_ptr, G_ptr, w_ptr, u_ptr, aq_ptr,
+                          stride_qt, stride_qh, stride_vt, stride_vh, Hv, REP: tl.constexpr, DK: tl.constexpr,
+                          DV: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                          PREC: tl.constexpr):
+    c = tl.program_id(0)
+    h = tl.program_id(1)
+    hk = h // REP
+    t0 = tl.load(cs_ptr + c)
+    t1 = tl.load(ce_ptr + c)
+    r = tl.arange(0, BT)
+    rows = t0 + r
+    rmask = rows < t1
+    rows64 = rows.to(tl.int64)
+    g = tl.load(g_ptr + rows64 * Hv + h, mask=rmask, other=0.0)
+    beta = tl.load(beta_ptr + rows64 * Hv + h, mask=rmask, other=0.0)
+    G = tl.cumsum(g, 0)
+    tl.store(G_ptr + rows64 * Hv + h, G, mask=rmask)
+    A = tl.zeros([BT, BT], dtype=tl.float32)
+    Aq = tl.zeros([BT, BT], dtype=tl.float32)
+    for k0 in tl.static_range(0, DK, BK):
+        kc = k0 + tl.arange(0, BK)
+        m = rmask[:, None] & (kc < DK)[None, :]
+        off = rows64[:, None] * stride_qt + hk * stride_qh + kc[None, :]
+        kt = tl.load(k_ptr + off, mask=m, other=0.0)
+        qt = tl.load(q_ptr + off, mask=m, other=0.0)
+        A += tl.dot(kt * beta[:, None], tl.trans(kt), input_precision=PREC)
+        Aq += tl.dot(qt, tl.trans(kt), input_precision=PREC)
+    ii, jj = r[:, None], r[None, :]
+    dG = G[:, None] - G[None, :]
+    valid = rmask[:, None] & rmask[None, :]
+    A = tl.where((ii > jj) & valid, A * tl.exp(tl.where(ii > jj, dG, 0.0)), 0.0)
+    Aq = tl.where((ii >= jj) & valid, Aq * tl.exp(tl.where(ii >= jj, dG, 0.0)), 0.0)
+    tl.store(aq_ptr + (rows64[:, None] * Hv + h) * BT + jj, Aq, mask=rmask[:, None])
+    # X = (I + A)^-1: M holds X - I row by row; row i = -A_i + sum_{j<i} (-A_ij) (X - I)_j
+    M = -A
+    for i in range(1, BT):
+        sel = r == i
+        row = tl.sum(tl.where(sel[:, None], M, 0.0), 0)
+        row = row + tl.sum(row[:, None] * M, 0)
+        M = tl.where(sel[:, None], row[None, :], M)
+    X = M + tl.where(ii == jj, 1.0, 0.0)
+    for k0 in tl.static_range(0, DK, BK):
+        kc = k0 + tl.arange(0, BK)
+        m = rmask[:, None] & (kc < DK)[None, :]
+        kt = tl.load(k_ptr + rows64[:, None] * stride_qt + hk * stride_qh + kc[None, :], mask=m, other=0.0)
+        w = tl.dot(X, kt * (beta * tl.exp(G))[:, None], input_precision=PREC)
+        tl.store(w_ptr + (rows64[:, None] * Hv + h) * DK + kc[None, :], w, mask=m)
+    for v0 in tl.static_range(0, DV, BV):
+        vc = v0 + tl.arange(0, BV)
+        m = rmask[:, None] & (vc < DV)[None, :]
+        vt = tl.load(v_ptr + rows64[:, None] * stride_vt + h * stride_vh + vc[None, :], mask=m, other=0.0)
+        u = tl.dot(X, vt.to(tl.float32) * beta[:, None], input_precision=PREC)
+        tl.store(u_ptr + (rows64[:, None] * Hv + h) * DV + vc[None, :], u, mask=m)
+
+
+@triton.jit
+def _chunk_state_kernel(q_ptr, k_ptr, G_ptr, w_ptr, u_ptr, aq_ptr, state_ptr, ss_ptr, se_ptr, slot_ptr, o_ptr,
+                        stride_qt, stride_qh, stride_s0, stride_s1, Hv, REP: tl.constexpr, DK: tl.constexpr,
+                        DV: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                        PREC: tl.constexpr):
+    s = tl.program_id(0)
+    h = tl.program_id(1)
+    hk = h // REP
+    vc = tl.program_id(2) * BV + tl.arange(0, BV)
+    vmask = vc < DV
+    t0 = tl.load(ss_ptr + s)
+    t1 = tl.load(se_ptr + s)
+    slot = tl.load(slot_ptr + s).to(tl.int64)
+    kr = tl.arange(0, BK)
+    kmask = kr < DK
+    r = tl.arange(0, BT)
+    s_ptrs = state_ptr + slot * stride_s0 + h * stride_s1 + kr[:, None] * DV + vc[None, :]
+    S = tl.load(s_ptrs, mask=kmask[:, None] & vmask[None, :], other=0.0)
+    for c0 in range(t0, t1, BT):
+        rows = c0 + r
+        rmask = rows < t1
+        rows64 = rows.to(tl.int64)
+        G = tl.load(G_ptr + rows64 * Hv + h, mask=rmask, other=0.0)
+        G_last = tl.load(G_ptr + (tl.minimum(c0 + BT, t1) - 1).to(tl.int64) * Hv + h)
+        mk = rmask[:, None] & kmask[None, :]
+        mv = rmask[:, None] & vmask[None, :]
+        w = tl.load(w_ptr + (rows64[:, None] * Hv + h) * DK + kr[None, :], mask=mk, other=0.0)
+        u = tl.load(u_ptr + (rows64[:, None] * Hv + h) * DV + vc[None, :], mask=mv, other=0.0)
+        v_new = u - tl.dot(w, S, input_precision=PREC)
+        qk_off = rows64[:, None] * stride_qt + hk * stride_qh + kr[None, :]
+        q = tl.load(q_ptr + qk_off, mask=mk, other=0.0)
+        aq = tl.load(aq_ptr + (rows64[:, None] * Hv + h) * BT + r[None, :], mask=rmask[:, None], other=0.0)
+        o = tl.dot(q * tl.exp(G)[:, None], S, input_precision=PREC) + tl.dot(aq, v_new, input_precision=PREC)
+        tl.store(o_ptr + (rows64[:, None] * Hv + h) * DV + vc[None, :], o.to(o_ptr.dtype.element_ty), mask=mv)
+        k = tl.load(k_ptr + qk_off, mask=mk, other=0.0)
+        kd = k * tl.exp(G_last - G)[:, None]
+        S = S * tl.exp(G_last) + tl.dot(tl.trans(kd), v_new, input_precision=PREC)
+    tl.store(s_ptrs, S, mask=kmask[:, None] & vmask[None, :])
+
+
+def chunk_gated_delta_rule(q, k, v, a, b, A_log, dt_bias, ssm_state, state_slots, cu_seqlens, eps=1e-6,
+                           precision=None):
+    """q, k [T, Hk, Dk], v [T, Hv, Dv] straight from the conv, a, b [T, Hv] (in-projection views), ssm_state
+    [slots, Hv, Dk, Dv] fp32, state_slots [num_seqs] (-1: padding), cu_seqlens [num_seqs + 1] -> o [T, Hv, Dv] in
+    v.dtype (zero on padding rows); each sequence starts from and leaves its state in its slot.
+
+    precision: tl.dot's input precision; default "ieee" for fp32 models (the fp32 tests), "tf32" for half
+    precision ones, whose inputs carry fewer bits than tf32 keeps."""
+    T, Hk, Dk = q.shape
+    Hv, Dv = v.shape[1], v.shape[2]
+    if ssm_state.dtype != torch.float32 or ssm_state.shape[1:] != (Hv, Dk, Dv) or ssm_state.stride(2) != Dv \
+            or ssm_state.stride(3) != 1:
+        raise ValueError(f"ssm_state must be fp32 [slots, {Hv}, {Dk}, {Dv}] with contiguous [Dk, Dv] tiles")
+    if Dk < 16 or Dv < 16:
+        raise ValueError(f"the chunked rule's tiles need head dims of at least 16, got {Dk}, {Dv}")
+    if v.stride(2) != 1:
+        v = v.contiguous()
+    precision = precision or ("ieee" if v.dtype == torch.float32 else "tf32")
+    o = torch.zeros(T, Hv, Dv, dtype=v.dtype, device=v.device)
+    starts, slots = cu_seqlens.tolist(), state_slots.tolist()
+    seqs = [(starts[i], starts[i + 1], s) for i, s in enumerate(slots) if s >= 0 and starts[i + 1] > starts[i]]
+    if not seqs:
+        return o
+    chunks = [(c, min(c + CHUNK, e)) for a0, e, _ in seqs for c in range(a0, e, CHUNK)]
+    dev = v.device
+    cs, ce = torch.tensor(chunks, dtype=torch.int32).t().contiguous().to(dev, non_blocking=True)
+    ss, se, sl = torch.tensor(seqs, dtype=torch.int32).t().contiguous().to(dev, non_blocking=True)
+    g, beta = gdn_gating(A_log, a, dt_bias, b)
+    g, beta = g.contiguous(), beta.contiguous()
+    qn = (l2norm(q, eps) * Dk**-0.5).contiguous()
+    kn = l2norm(k, eps).contiguous()
+    G = torch.empty(T, Hv, dtype=torch.float32, device=dev)
+    w = torch.empty(T, Hv, Dk, dtype=torch.float32, device=dev)
+    u = torch.empty(T, Hv, Dv, dtype=torch.float32, device=dev)
+    aq = torch.empty(T, Hv, CHUNK, dtype=torch.float32, device=dev)
+    bk_full = triton.next_power_of_2(Dk)
+    bk, bv = min(bk_full, 64), min(triton.next_power_of_2(Dv), 64)
+    _chunk_prepare_kernel[(len(chunks), Hv)](
+        qn, kn, v, g, beta, cs, ce, G, w, u, aq, qn.stride(0), qn.stride(1), v.stride(0), v.stride(1), Hv,
+        REP=Hv // Hk, DK=Dk, DV=Dv, BT=CHUNK, BK=bk, BV=bv, PREC=precision, num_warps=4)
+    bv_state = min(triton.next_power_of_2(Dv), 32)
+    _chunk_state_kernel[(len(seqs), Hv, triton.cdiv(Dv, bv_state))](
+        qn, kn, G, w, u, aq, ssm_state, ss, se, sl, o, qn.stride(0), qn.stride(1), ssm_state.stride(0),
+        ssm_state.stride(1), Hv, REP=Hv // Hk, DK=Dk, DV=Dv, BT=CHUNK, BK=bk_full, BV=bv_state, PREC=precision,
+        num_warps=4)
+    return o

@@ -1,0 +1,76 @@
+"""The gated delta rule's decode step in Triton: one token per sequence, its state read and written in its slot.
+
+One launch does what ops.recurrent_gated_delta_rule does with the references: the gating (g = -exp(A_log) *
+softplus(a + dt_bias), beta = sigmoid(b)), the q/k L2 norm (q scaled by Dk^-0.5), then per value head
+S = S * exp(g); S += k (beta (v - S^T k))^T; o = S^T q, in fp32 (ssm_state [slots, Hv, Dk, Dv] fp32, as the state
+cache holds it). A slot of -1 is a padding row: zero output, nothing read or written. No host syncs, fixed
+launch shape for a given batch: a decode step captures in a CUDA graph.
+"""
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def softplus(x):
+    """torch's F.softplus (beta 1, threshold 20)."""
+    return tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
+
+
+@triton.jit
+def _recurrent_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, state_ptr, slots_ptr, o_ptr,
+                      stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_a, stride_b,
+                      stride_s0, stride_s1, Hv, REP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                      BK: tl.constexpr, BV: tl.constexpr, EPS: tl.constexpr):
+    """One (sequence, value head, BV value columns) per program; the [Dk, BV] state tile stays in registers."""
+    i = tl.program_id(0)
+    h = tl.program_id(1)
+    vcols = tl.program_id(2) * BV + tl.arange(0, BV)
+    vmask = vcols < DV
+    slot = tl.load(slots_ptr + i).to(tl.int64)
+    o_row = o_ptr + (i.to(tl.int64) * Hv + h) * DV + vcols
+    if slot < 0:
+        tl.store(o_row, tl.zeros([BV], dtype=o_ptr.dtype.element_ty), mask=vmask)
+        return
+    kr = tl.arange(0, BK)
+    kmask = kr < DK
+    hk = h // REP  # GQA of the rule: Hv / Hk consecutive value heads share a q/k head
+    q = tl.load(q_ptr + i.to(tl.int64) * stride_qt + hk * stride_qh + kr, mask=kmask, other=0.0).to(tl.float32)
+    k = tl.load(k_ptr + i.to(tl.int64) * stride_kt + hk * stride_kh + kr, mask=kmask, other=0.0).to(tl.float32)
+    q = q * tl.rsqrt(tl.sum(q * q, 0) + EPS) * (DK ** -0.5)
+    k = k * tl.rsqrt(tl.sum(k * k, 0) + EPS)
+    v = tl.load(v_ptr + i.to(tl.int64) * stride_vt + h * stride_vh + vcols, mask=vmask, other=0.0).to(tl.float32)
+    a = tl.load(a_ptr + i.to(tl.int64) * stride_a + h).to(tl.float32)
+    bb = tl.load(b_ptr + i.to(tl.int64) * stride_b + h).to(tl.float32)
+    g = -tl.exp(tl.load(A_log_ptr + h).to(tl.float32)) * softplus(a + tl.load(dt_bias_ptr + h).to(tl.float32))
+    beta = tl.sigmoid(bb)
+    s_ptrs = state_ptr + slot * stride_s0 + h * stride_s1 + kr[:, None] * DV + vcols[None, :]
+    smask = kmask[:, None] & vmask[None, :]
+    S = tl.load(s_ptrs, mask=smask, other=0.0) * tl.exp(g)
+    delta = (v - tl.sum(S * k[:, None], 0)) * beta
+    S = S + k[:, None] * delta[None, :]
+    tl.store(s_ptrs, S, mask=smask)
+    tl.store(o_row, tl.sum(S * q[:, None], 0).to(o_ptr.dtype.element_ty), mask=vmask)
+
+
+def recurrent_gated_delta_rule(q, k, v, a, b, A_log, dt_bias, ssm_state, state_slots, eps=1e-6, block_v=None):
+    """q, k [B, Hk, Dk], v [B, Hv, Dv] (strided views of the conv output), a, b [B, Hv] (views of the in-projection),
+    ssm_state [slots, Hv, Dk, Dv] fp32 -> o [B, Hv, Dv] in v.dtype; each row's slot state advanced in place."""
+    B, Hk, Dk = q.shape
+    Hv, Dv = v.shape[1], v.shape[2]
+    if ssm_state.dtype != torch.float32 or ssm_state.shape[1:] != (Hv, Dk, Dv) or ssm_state.stride(2) != Dv \
+            or ssm_state.stride(3) != 1:
+        raise ValueError(f"ssm_state must be fp32 [slots, {Hv}, {Dk}, {Dv}] with contiguous [Dk, Dv] tiles")
+    if q.stride(2) != 1 or k.stride(2) != 1 or v.stride(2) != 1 or a.stride(1) != 1 or b.stride(1) != 1:
+        raise ValueError("recurrent_gated_delta_rule wants unit-stride head dims")
+    o = torch.empty(B, Hv, Dv, dtype=v.dtype, device=v.device)
+    if B == 0:
+        return o
+    bk = triton.next_power_of_2(Dk)
+    bv = block_v or min(triton.next_power_of_2(Dv), 32)
+    _recurrent_kernel[(B, Hv, triton.cdiv(Dv, bv))](
+        q, k, v, a, b, A_log, dt_bias, ssm_state, state_slots.to(torch.int32), o,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0), b.stride(0),
+        ssm_state.stride(0), ssm_state.stride(1), Hv, REP=Hv // Hk, DK=Dk, DV=Dv, BK=bk, BV=bv, EPS=eps,
+        num_warps=4)
+    return o
