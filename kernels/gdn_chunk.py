@@ -7,7 +7,8 @@ The form of gdn_reference.chunk_gated_delta_rule_one (chunks of 64 tokens restar
   2. per (sequence, value head, value columns), over its chunks in order: v' = u - w S, o = (q e^G) S + scores v',
      S = e^(G_last) S + (k e^(G_last - G))^T v'; the final S goes back to the slot.
 q and k arrive l2-normalised (q scaled) in fp32 from the wrapper; the gating is the reference's, on the device.
-Prefill is not captured in a graph: the chunk lists are built on the host from cu_seqlens.
+No host syncs: each program finds its chunk from device-side chunk offsets, over a grid sized by the token and
+sequence counts alone, so a prompt or mixed step captures in a CUDA graph.
 """
 import torch
 import triton
@@ -18,16 +19,19 @@ from .gdn_reference import gdn_gating, l2norm
 CHUNK = 64
 
 
-@triton.jit
-def _chunk_prepare_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, cs_ptr, ce_ptr, G_ptr, w_ptr, u_ptr, aq_ptr,
-                          stride_qt, stride_qh, stride_vt, stride_vh, Hv, REP: tl.constexpr, DK: tl.constexpr,
-                          DV: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+@triton.jit(do_not_specialize=["n_seqs"])
+def _chunk_prepare_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, cu_ptr, chunk_cu_ptr, chunk_seq_ptr, G_ptr, w_ptr,
+                          u_ptr, aq_ptr, n_seqs, stride_qt, stride_qh, stride_vt, stride_vh, Hv, REP: tl.constexpr,
+                          DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                           PREC: tl.constexpr):
     c = tl.program_id(0)
     h = tl.program_id(1)
     hk = h // REP
-    t0 = tl.load(cs_ptr + c)
-    t1 = tl.load(ce_ptr + c)
+    seq = tl.load(chunk_seq_ptr + c)
+    if seq >= n_seqs:  # the grid's spare programs: it is sized for the most chunks T tokens can make
+        return
+    t0 = tl.load(cu_ptr + seq) + (c - tl.load(chunk_cu_ptr + seq)) * BT
+    t1 = tl.minimum(t0 + BT, tl.load(cu_ptr + seq + 1))
     r = tl.arange(0, BT)
     rows = t0 + r
     rmask = rows < t1
@@ -75,7 +79,7 @@ def _chunk_prepare_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, cs_ptr, ce_ptr, 
 
 
 @triton.jit
-def _chunk_state_kernel(q_ptr, k_ptr, G_ptr, w_ptr, u_ptr, aq_ptr, state_ptr, ss_ptr, se_ptr, slot_ptr, o_ptr,
+def _chunk_state_kernel(q_ptr, k_ptr, G_ptr, w_ptr, u_ptr, aq_ptr, state_ptr, cu_ptr, slot_ptr, o_ptr,
                         stride_qt, stride_qh, stride_s0, stride_s1, Hv, REP: tl.constexpr, DK: tl.constexpr,
                         DV: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                         PREC: tl.constexpr):
@@ -84,9 +88,11 @@ def _chunk_state_kernel(q_ptr, k_ptr, G_ptr, w_ptr, u_ptr, aq_ptr, state_ptr, ss
     hk = h // REP
     vc = tl.program_id(2) * BV + tl.arange(0, BV)
     vmask = vc < DV
-    t0 = tl.load(ss_ptr + s)
-    t1 = tl.load(se_ptr + s)
+    t0 = tl.load(cu_ptr + s)
+    t1 = tl.load(cu_ptr + s + 1)
     slot = tl.load(slot_ptr + s).to(tl.int64)
+    if slot < 0 or t1 <= t0:
+        return
     kr = tl.arange(0, BK)
     kmask = kr < DK
     r = tl.arange(0, BT)
@@ -133,14 +139,19 @@ def chunk_gated_delta_rule(q, k, v, a, b, A_log, dt_bias, ssm_state, state_slots
         v = v.contiguous()
     precision = precision or ("ieee" if v.dtype == torch.float32 else "tf32")
     o = torch.zeros(T, Hv, Dv, dtype=v.dtype, device=v.device)
-    starts, slots = cu_seqlens.tolist(), state_slots.tolist()
-    seqs = [(starts[i], starts[i + 1], s) for i, s in enumerate(slots) if s >= 0 and starts[i + 1] > starts[i]]
-    if not seqs:
+    n = state_slots.shape[0]
+    if T == 0 or n == 0:
         return o
-    chunks = [(c, min(c + CHUNK, e)) for a0, e, _ in seqs for c in range(a0, e, CHUNK)]
     dev = v.device
-    cs, ce = torch.tensor(chunks, dtype=torch.int32).t().contiguous().to(dev, non_blocking=True)
-    ss, se, sl = torch.tensor(seqs, dtype=torch.int32).t().contiguous().to(dev, non_blocking=True)
+    slots, cu = state_slots.to(torch.int32), cu_seqlens.to(torch.int32)
+    # chunk c of the step is chunk c - chunk_cu[s] of sequence s = chunk_seq[c]; padding sequences have none
+    lens = (cu[1:] - cu[:-1]).clamp(min=0)
+    per_seq = torch.where(slots >= 0, (lens + CHUNK - 1).div(CHUNK, rounding_mode="floor"), 0)
+    chunk_cu = torch.zeros(n + 1, dtype=torch.int32, device=dev)
+    chunk_cu[1:] = per_seq.cumsum(0)
+    max_chunks = T // CHUNK + n  # sum of ceil(len / CHUNK) <= T / CHUNK + n
+    chunk_seq = torch.searchsorted(chunk_cu[1:], torch.arange(max_chunks, dtype=torch.int32, device=dev),
+                                   right=True).to(torch.int32)
     g, beta = gdn_gating(A_log, a, dt_bias, b)
     g, beta = g.contiguous(), beta.contiguous()
     qn = (l2norm(q, eps) * Dk**-0.5).contiguous()
@@ -151,12 +162,12 @@ def chunk_gated_delta_rule(q, k, v, a, b, A_log, dt_bias, ssm_state, state_slots
     aq = torch.empty(T, Hv, CHUNK, dtype=torch.float32, device=dev)
     bk_full = triton.next_power_of_2(Dk)
     bk, bv = min(bk_full, 64), min(triton.next_power_of_2(Dv), 64)
-    _chunk_prepare_kernel[(len(chunks), Hv)](
-        qn, kn, v, g, beta, cs, ce, G, w, u, aq, qn.stride(0), qn.stride(1), v.stride(0), v.stride(1), Hv,
-        REP=Hv // Hk, DK=Dk, DV=Dv, BT=CHUNK, BK=bk, BV=bv, PREC=precision, num_warps=4)
+    _chunk_prepare_kernel[(max_chunks, Hv)](
+        qn, kn, v, g, beta, cu, chunk_cu, chunk_seq, G, w, u, aq, n, qn.stride(0), qn.stride(1), v.stride(0),
+        v.stride(1), Hv, REP=Hv // Hk, DK=Dk, DV=Dv, BT=CHUNK, BK=bk, BV=bv, PREC=precision, num_warps=4)
     bv_state = min(triton.next_power_of_2(Dv), 32)
-    _chunk_state_kernel[(len(seqs), Hv, triton.cdiv(Dv, bv_state))](
-        qn, kn, G, w, u, aq, ssm_state, ss, se, sl, o, qn.stride(0), qn.stride(1), ssm_state.stride(0),
+    _chunk_state_kernel[(n, Hv, triton.cdiv(Dv, bv_state))](
+        qn, kn, G, w, u, aq, ssm_state, cu, slots, o, qn.stride(0), qn.stride(1), ssm_state.stride(0),
         ssm_state.stride(1), Hv, REP=Hv // Hk, DK=Dk, DV=Dv, BT=CHUNK, BK=bk_full, BV=bv_state, PREC=precision,
         num_warps=4)
     return o

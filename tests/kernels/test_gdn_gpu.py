@@ -127,3 +127,32 @@ def test_decode_kernels_replay_from_a_graph():
         graph.replay()
         assert torch.equal(out, expected)
         assert torch.equal(conv_state, conv_eager) and torch.equal(ssm_state, ssm_eager)
+
+
+def test_prefill_kernels_replay_from_a_graph():
+    """A prompt step's conv and chunked rule captured at 512 tokens and 4 sequences, replayed over other length
+    splits (padding sequences as the prompt graphs stage them: no tokens, slot -1): as eager launches."""
+    from pagefleet.kernels import causal_conv1d, gdn_chunk
+
+    dtype = torch.bfloat16
+    mixed, a, b, w, A_log, dt_bias, conv_state, ssm_state = layer_inputs(512, dtype)
+    cu_dev = cu([100, 200, 150, 62])
+    slots = random_slots(4)
+
+    def step(conv, ssm):
+        qkv = causal_conv1d.causal_conv1d(mixed, w, conv, slots, cu_dev)
+        return gdn_chunk.chunk_gated_delta_rule(*split_qkv(qkv), a, b, A_log, dt_bias, ssm, slots, cu_dev)
+
+    step(conv_state.clone(), ssm_state.clone())  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step(conv_state, ssm_state)
+    for lens, pads in (([300, 1, 65, 146], ()), ([64, 448], (2, 3)), ([7, 500], (3,))):
+        lens = [*lens, 0, 0][:4] if len(lens) < 4 else lens
+        cu_dev.copy_(cu(lens))
+        slots.copy_(random_slots(4, pad_rows=pads))
+        conv_eager, ssm_eager = conv_state.clone(), ssm_state.clone()
+        expected = step(conv_eager, ssm_eager)
+        graph.replay()
+        assert torch.equal(out, expected)
+        assert torch.equal(conv_state, conv_eager) and torch.equal(ssm_state, ssm_eager)
