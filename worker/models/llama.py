@@ -96,13 +96,16 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config: ModelConfig, qk_norm: bool = False):
+    def __init__(self, config: ModelConfig, qk_norm: bool = False, layers=None):
+        """layers: the decoder layers of another architecture (Qwen3.5's hybrid ones); default Llama's."""
         super().__init__()
         # an explicit (meta) weight skips nn.Embedding's random init, whose normal_ on the meta device imports
         # torch._dynamo (1.8-2.3 s of start-up); the loader overwrites the weight anyway
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
                                          _weight=torch.empty(config.vocab_size, config.hidden_size))
-        self.layers = nn.ModuleList(DecoderLayer(config, qk_norm) for _ in range(config.num_hidden_layers))
+        if layers is None:
+            layers = (DecoderLayer(config, qk_norm) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 

@@ -18,7 +18,7 @@ from pagefleet.worker.models.layers.gated_deltanet import GatedDeltaNet
 from pagefleet.worker.models.layers.linear import Linear
 from pagefleet.worker.models.layers.norm import RMSNorm
 from pagefleet.worker.models.layers.paged_attention import PagedAttention
-from pagefleet.worker.models.llama import MLP
+from pagefleet.worker.models.llama import MLP, DecoderModel
 from pagefleet.worker.models.registry import ModelConfig
 
 
@@ -74,16 +74,6 @@ class DecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
-class DecoderModel(nn.Module):
-    def __init__(self, config: ModelConfig):
-        super().__init__()
-        # an explicit (meta) weight skips nn.Embedding's random init (see llama.DecoderModel)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
-                                         _weight=torch.empty(config.vocab_size, config.hidden_size))
-        self.layers = nn.ModuleList(DecoderLayer(config, t) for t in config.layer_types)
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-
 # checkpoint name piece -> (our name piece, shard)
 _PACKED = {
     "self_attn.q_proj": ("self_attn.qkv_proj", "q"),
@@ -106,10 +96,14 @@ _SKIPPED = {"model.visual.": "vision tower", "mtp.": "multi-token-prediction hea
 
 
 class Qwen3_5ForCausalLM(nn.Module):
+    # the DeltaNet ops on CUDA (kernels/causal_conv1d.py, gdn_recurrent.py, gdn_chunk.py) make no host syncs and
+    # skip slot -1 rows: every graph kind may capture this model's steps
+    state_graphs = True
+
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
-        self.model = DecoderModel(config)
+        self.model = DecoderModel(config, layers=(DecoderLayer(config, t) for t in config.layer_types))
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.cos_sin_cache = torch.empty(0)
         self._skipped_logged: set[str] = set()
