@@ -20,7 +20,7 @@ def softplus(x):
 @triton.jit
 def _recurrent_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, state_ptr, slots_ptr, o_ptr,
                       stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_a, stride_b,
-                      stride_s0, stride_s1, Hv, REP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                      stride_s0, stride_s1, Hv, scale, REP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                       BK: tl.constexpr, BV: tl.constexpr, EPS: tl.constexpr):
     """One (sequence, value head, BV value columns) per program; the [Dk, BV] state tile stays in registers."""
     i = tl.program_id(0)
@@ -37,7 +37,7 @@ def _recurrent_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr,
     hk = h // REP  # GQA of the rule: Hv / Hk consecutive value heads share a q/k head
     q = tl.load(q_ptr + i.to(tl.int64) * stride_qt + hk * stride_qh + kr, mask=kmask, other=0.0).to(tl.float32)
     k = tl.load(k_ptr + i.to(tl.int64) * stride_kt + hk * stride_kh + kr, mask=kmask, other=0.0).to(tl.float32)
-    q = q * tl.rsqrt(tl.sum(q * q, 0) + EPS) * (DK ** -0.5)
+    q = q * tl.rsqrt(tl.sum(q * q, 0) + EPS) * scale
     k = k * tl.rsqrt(tl.sum(k * k, 0) + EPS)
     v = tl.load(v_ptr + i.to(tl.int64) * stride_vt + h * stride_vh + vcols, mask=vmask, other=0.0).to(tl.float32)
     a = tl.load(a_ptr + i.to(tl.int64) * stride_a + h).to(tl.float32)
@@ -71,6 +71,6 @@ def recurrent_gated_delta_rule(q, k, v, a, b, A_log, dt_bias, ssm_state, state_s
     _recurrent_kernel[(B, Hv, triton.cdiv(Dv, bv))](
         q, k, v, a, b, A_log, dt_bias, ssm_state, state_slots.to(torch.int32), o,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0), b.stride(0),
-        ssm_state.stride(0), ssm_state.stride(1), Hv, REP=Hv // Hk, DK=Dk, DV=Dv, BK=bk, BV=bv, EPS=eps,
+        ssm_state.stride(0), ssm_state.stride(1), Hv, Dk**-0.5, REP=Hv // Hk, DK=Dk, DV=Dv, BK=bk, BV=bv, EPS=eps,
         num_warps=4)
     return o
