@@ -11,6 +11,7 @@ class Compiling:
 
     def __init__(self):
         self.ready = False
+        self.error = None
 
     def fork(self):
         return self

@@ -16,6 +16,17 @@ def _bad(name: str, message: str) -> ValueError:
     return err
 
 
+def _canonical(value, ordered: bool = False):
+    """JSON with its object keys sorted, except a schema's "properties", whose order is the order the fields are
+    generated in (a pydantic model's field order)."""
+    if isinstance(value, dict):
+        items = value.items() if ordered else sorted(value.items())
+        return {k: _canonical(v, not ordered and k == "properties") for k, v in items}
+    if isinstance(value, list):
+        return [_canonical(v) for v in value]
+    return value
+
+
 @dataclass
 class StructuredOutputsParams:
     """One constraint on a request's output, exactly one field set: a JSON schema (dict or JSON text), any JSON
@@ -71,7 +82,7 @@ class StructuredOutputsParams:
         value = getattr(self, self.kind)
         if self.kind in ("json", "structural_tag"):
             value = _json.loads(value) if isinstance(value, str) else value
-            return _json.dumps(value, sort_keys=True, separators=(",", ":"))
+            return _json.dumps(_canonical(value), separators=(",", ":"))
         if self.kind == "choice":
             return _json.dumps(value)
         if self.kind == "json_object":

@@ -25,6 +25,7 @@ class ScheduledBatch:
     num_new_tokens: list[int] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write block copies to run first
     preempted: list[Sequence] = field(default_factory=list)
+    failed: list[Sequence] = field(default_factory=list)  # taken off the queue: their grammar failed to compile
     # models with recurrent state (core/state_slots.py): state slot copies (src, dst) and the fresh slots to zero,
     # both before the forward, copies first; sequence slots copied into snapshot slots after the forward
     state_copies: list[tuple[int, int]] = field(default_factory=list)
@@ -77,6 +78,9 @@ class Scheduler:
             seq = self.waiting[0]
             if seq.grammar is not None and not seq.grammar.ready:
                 compiling.append(self.waiting.popleft())
+                continue
+            if seq.grammar is not None and seq.grammar.error is not None:
+                batch.failed.append(self.waiting.popleft())  # the engine ends it with the reason
                 continue
             if num_seqs is None:
                 owed = sum(s.pending_forks for s in self.running)

@@ -3,6 +3,7 @@ block manager and model runner."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -81,6 +82,8 @@ class LLMEngine(WeightUpdates):
         self.paused: str | None = None
         self.held: list[Sequence] = []  # arrived or not started while paused: scheduled on resume
         self.weight_groups: dict = {}
+        self.structured = None  # the grammar compiler (engine/structured_output.py), made at the first structured one
+        self._structured_lock = threading.Lock()
 
     def _state_slots(self) -> StateSlots | None:
         """The state slot pool of a model with recurrent layers, over the runner's state cache (None without)."""
@@ -113,6 +116,22 @@ class LLMEngine(WeightUpdates):
                 f"the prompt has {len(prompt_token_ids)} tokens but max_model_len is {self.max_model_len} "
                 f"(prompt plus at least one generated token must fit)"
             )
+        if params.structured is not None:
+            self.structured_outputs().check(params.structured)  # parsed (and cached) here: a bad one is a ValueError
+
+    def structured_outputs(self):
+        """The grammar compiler, made at the first structured request (callable from any thread); from then on
+        the sampler asks it for each step's bitmask."""
+        if self.structured is None:
+            with self._structured_lock:
+                if self.structured is None:
+                    from pagefleet.worker.engine.structured_output import StructuredOutputs  # imports xgrammar
+
+                    structured = StructuredOutputs(self.tokenizer, self.model_config.vocab_size,
+                                                   sorted(self.eos_token_ids))
+                    self.runner.sampler.grammar_bitmask = structured.bitmask
+                    self.structured = structured
+        return self.structured
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     lora_name: str | None = None) -> None:
@@ -124,6 +143,9 @@ class LLMEngine(WeightUpdates):
         if lora_name is not None:
             parent.lora_id = self.runner.lora.id_of[lora_name]
         parent.pending_forks = params.n - 1  # the other samples split off once the shared prompt is done
+        if params.structured is not None:
+            parent.grammar = self.structured.state(params.structured)  # compiles on the pool; the queue waits aside
+            self.structured.live += 1
         self.requests[request_id] = Request(request_id, list(prompt_token_ids), params, [parent])
         parent.weight_versions = [(self.weight_version, 0)]
         (self.held.append if self.paused is not None else self.scheduler.add)(parent)

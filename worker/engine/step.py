@@ -12,6 +12,8 @@ block manager, requests and counters, and its `_outputs`.
 from __future__ import annotations
 
 import time
+from concurrent.futures import FIRST_COMPLETED
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -27,6 +29,7 @@ if TYPE_CHECKING:
     from pagefleet.worker.engine.llm_engine import Request
 
 PLACEHOLDER = -1  # an output token still on the device (overlapped step)
+GRAMMAR_WAIT_S = 0.01  # an empty step with grammars compiling waits this long for one, instead of spinning
 
 
 @dataclass
@@ -52,12 +55,14 @@ class EngineStep:
         start = time.perf_counter()
         batch = self.scheduler.schedule()
         overlap = self.config.async_scheduling and bool(batch.seqs) and self._can_overlap(batch)
-        outputs: list[RequestOutput] = []
+        outputs: list[RequestOutput] = self._fail_grammars(batch.failed) if batch.failed else []
         if self.pending is not None and not overlap:
             prev, self.pending = self.pending, None
-            outputs = self._outputs(self._resolve(prev))
+            outputs += self._outputs(self._resolve(prev))
             self._drop_finished(batch)  # a token read just now may have ended one of them
         if not batch.seqs:
+            if self.structured is not None and self.structured.live and not outputs:
+                self._wait_for_grammars()
             return outputs
         prev = self.pending  # a step still on the device when this one overlaps it
         launched, num_prefill, num_decode = self._launch(batch, prev, overlap)
@@ -73,11 +78,32 @@ class EngineStep:
         """True unless a sequence that samples in this step has samples to fork (the forks split off on the
         host before sampling) or the step preempts (its victim may hold a pending token). Penalties count
         tokens on the device and logprobs come back with the tokens, so neither needs a synchronous step;
-        prompt chunks that sample nothing never stand in the way."""
+        prompt chunks that sample nothing never stand in the way. A sequence with a grammar that samples needs
+        the host to see its previous token (its matcher fills the bitmask from it): such a step is synchronous."""
         if batch.preempted:
             return False
+        if self.structured is not None and self.structured.live:
+            return not any((seq.pending_forks or seq.grammar is not None)
+                           and seq.num_computed_tokens + n >= seq.num_tokens
+                           for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True))
         return not any(seq.pending_forks and seq.num_computed_tokens + n >= seq.num_tokens
                        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True))
+
+    def _wait_for_grammars(self) -> None:
+        """Nothing to run but grammars still compiling: wait a moment for one (the compile pool gets the CPU)."""
+        futures = [s.grammar.future for s in self.scheduler.waiting if s.grammar is not None and not s.grammar.ready]
+        if futures:
+            wait_futures(futures, timeout=GRAMMAR_WAIT_S, return_when=FIRST_COMPLETED)
+
+    def _fail_grammars(self, seqs: list[Sequence]) -> list[RequestOutput]:
+        """Sequences whose grammar failed to compile end now: finish reason "abort", the reason in stop_reason."""
+        touched: dict[str, Request] = {}
+        for seq in seqs:
+            seq.finish_reason, seq.stop_reason = "abort", f"the grammar failed to compile: {seq.grammar.error}"
+            self._finish(seq)
+            if seq.request_id in self.requests:
+                touched[seq.request_id] = self.requests[seq.request_id]
+        return self._outputs(touched)
 
     def _drop_finished(self, batch: ScheduledBatch) -> None:
         """Take the sequences that finished since the batch was scheduled out of it."""
@@ -151,6 +177,8 @@ class EngineStep:
             for _ in range(parent.pending_forks):
                 index = len(request.seqs)
                 child = parent.fork(index, None if parent.seed is None else parent.seed + index)
+                if child.grammar is not None:  # its own matcher, forked from the parent's
+                    self.structured.live += 1
                 self.block_manager.fork(parent, child)
                 self.scheduler.add_forked(parent, child)
                 request.seqs.append(child)
@@ -185,7 +213,14 @@ class EngineStep:
         return touched
 
     def _append_token(self, seq: Sequence, token: int, logprob) -> None:
-        """A sampled token joins its sequence; the finish rules (stop string, eos, stop token, length) apply."""
+        """A sampled token joins its sequence; the finish rules (stop string, grammar, eos, stop token, length)
+        apply. A grammar's matcher accepts the token first; it refuses one only when the mask left nothing
+        allowed (min_tokens banning the end of a complete output), and the output then ends as it is."""
+        grammar = seq.grammar
+        if grammar is not None and not grammar.accept(token):
+            seq.finish_reason = "stop"
+            self._finish(seq)
+            return
         seq.token_ids.append(token)
         self.generation_tokens_total += 1
         if logprob is not None:
@@ -198,6 +233,8 @@ class EngineStep:
             stop = None
         if stop is not None:
             seq.finish_reason, seq.stop_reason = "stop", stop
+        elif grammar is not None and grammar.terminated:  # the grammar is complete and took its end token
+            seq.finish_reason = "stop"
         elif seq.num_output_tokens >= p.min_tokens and not p.ignore_eos and token in self.eos_token_ids:
             seq.finish_reason = "stop"
         elif token in p.stop_token_ids and seq.num_output_tokens >= p.min_tokens:
@@ -211,6 +248,9 @@ class EngineStep:
     def _finish(self, seq: Sequence) -> None:
         self.scheduler.finish(seq)  # its blocks go back to the pool now, before the next step
         self.runner.sampler.forget(seq)
+        if seq.grammar is not None:  # its matcher goes with it
+            seq.grammar = None
+            self.structured.live -= 1
 
     def _record(self, batch: ScheduledBatch, num_prefill: int, num_decode: int, start: float) -> None:
         self.steps_total += 1

@@ -126,6 +126,7 @@ class StructuredOutputs:
         self._compiled: OrderedDict[tuple[str, str], Future] = OrderedDict()
         self._batch = xgr.BatchGrammarMatcher(fill_threads or max(1, min(8, (os.cpu_count() or 2) // 2)))
         self._buffer = np.zeros((0, self.bitmask_width), dtype=np.int32)
+        self.live = 0  # sequences holding a grammar state (the engine counts): 0 makes `bitmask` free
 
     def _make_compiler(self, tokenizer) -> xgr.GrammarCompiler:
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size,
@@ -171,6 +172,8 @@ class StructuredOutputs:
     def bitmask(self, seqs: list) -> tuple[np.ndarray, np.ndarray] | None:
         """The step's constrained rows and their bitmasks (int32 [G, ceil(V/32)], bit t of a row set where
         token t is allowed), filled from the matchers in parallel; None when no row has a grammar."""
+        if not self.live:  # no structured request in flight: unconstrained steps skip the scan
+            return None
         rows = [i for i, seq in enumerate(seqs) if seq.grammar is not None]
         if not rows:
             return None
