@@ -115,10 +115,11 @@ def causal_conv1d(x, weight, conv_state, state_slots, cu_seqlens=None, block_c=2
     # each packed token's sequence, on the device (no sync): tokens past cu[-1] get sequence n - 1 and are masked
     seq_of = torch.searchsorted(cu[1:].contiguous(), torch.arange(T, device=x.device, dtype=torch.int32),
                                 right=True).clamp_(max=n - 1).to(torch.int32)
-    block_t = 16
-    _conv_prefill_kernel[(triton.cdiv(T, block_t), triton.cdiv(C, block_c))](
+    # 16 x 128 tiles: at 16 x 256 the K shifted loads spill (255 registers, sm_90)
+    block_t, block_tc = 16, min(block_c, 128)
+    _conv_prefill_kernel[(triton.cdiv(T, block_t), triton.cdiv(C, block_tc))](
         x, weight, conv_state, slots, cu, seq_of, y, T, C, x.stride(0), conv_state.stride(0), conv_state.stride(1),
-        K=K, BLOCK_T=block_t, BLOCK_C=block_c)
+        K=K, BLOCK_T=block_t, BLOCK_C=block_tc)
     _conv_state_kernel[(n, triton.cdiv(C, block_c))](
         x, conv_state, slots, cu, C, x.stride(0), conv_state.stride(0), conv_state.stride(1),
         K=K, KP=triton.next_power_of_2(K - 1), BLOCK_C=block_c)
