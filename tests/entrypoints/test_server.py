@@ -346,8 +346,6 @@ def test_server_still_answers_after_bad_input(server):
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}]}
 REFUSED = [  # (path, fields that change what is generated and that the server does not implement)
-    ("/v1/chat/completions", {"response_format": {"type": "json_object"}}),
-    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}),
     ("/v1/chat/completions", {"tool_choice": "required"}),
     ("/v1/chat/completions", {"functions": [{"name": "f"}]}),
     ("/v1/chat/completions", {"function_call": "auto"}),
@@ -361,8 +359,6 @@ REFUSED = [  # (path, fields that change what is generated and that the server d
     ("/v1/chat/completions", {"echo": True}),
     ("/v1/chat/completions", {"chat_template": "{{ messages }}"}),
     ("/v1/completions", {"use_beam_search": True}),
-    ("/v1/completions", {"guided_json": {"type": "object"}}),
-    ("/v1/completions", {"guided_choice": ["a", "b"]}),
     ("/v1/completions", {"allowed_token_ids": [1, 2]}),
     ("/v1/completions", {"bad_words": ["x"]}),
     ("/v1/completions", {"prompt_logprobs": 1}),

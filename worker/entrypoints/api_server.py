@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import hmac
+import json
 import logging
 import re
 
@@ -17,6 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pagefleet.worker.core.sampling_params import StructuredOutputsParams
 from pagefleet.worker.entrypoints.lora_api import add_lora_routes
 from pagefleet.worker.entrypoints.metrics import CONTENT_TYPE, ServerMetrics
 from pagefleet.worker.entrypoints.protocol import (
@@ -26,12 +28,18 @@ from pagefleet.worker.entrypoints.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
+    check_grammar,
+    check_tools,
     error_body,
     message_dicts,
     sampling_params,
+    structured_params,
+    tool_choice,
 )
+from pagefleet.worker.entrypoints.reasoning import REASONING_PARSERS, prompt_opens_reasoning
 from pagefleet.worker.entrypoints.rl_api import add_rl_routes
-from pagefleet.worker.entrypoints.streaming import Generation, generate
+from pagefleet.worker.entrypoints.streaming import ChatOutput, Generation, generate
+from pagefleet.worker.entrypoints.tool_parsers import ToolParser, tool_parser
 
 log = logging.getLogger("pagefleet.server")
 
@@ -43,7 +51,9 @@ _TYPE_TAG = re.compile(r"^(str|int|float|bool|none|[a-z-]+\[.*\])$")
 class ServerState:
     """What the handlers share: the engine, the limits, and the counts that admission and drain read."""
 
-    def __init__(self, engine, served_model_names: list[str], api_key: str | None, max_queue: int):
+    def __init__(self, engine, served_model_names: list[str], api_key: str | None, max_queue: int,
+                 tool_call_parser: str | None = None, enable_auto_tool_choice: bool = False,
+                 reasoning_parser: str | None = None):
         self.engine = engine
         self.served_model_names = served_model_names
         self.model_name = served_model_names[0]
@@ -63,6 +73,20 @@ class ServerState:
         model_vocab = getattr(getattr(core, "model_config", None), "vocab_size", None)
         self.vocab_size = min(len(self.tokenizer), model_vocab or len(self.tokenizer))
         self._token_text: dict[int, str] = {}
+        # Tools: the format parser (--tool-call-parser, else the model family's), and whether "auto" is served.
+        architecture = getattr(getattr(core, "model_config", None), "architecture", None)
+        self.tool_parser: ToolParser = tool_parser(tool_call_parser, architecture)
+        self.enable_auto_tool_choice = enable_auto_tool_choice
+        if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"unknown reasoning parser {reasoning_parser!r}; choose one of "
+                             + ", ".join(REASONING_PARSERS))
+        self.reasoning_parser = reasoning_parser
+        template = self.tokenizer.chat_template
+        template = json.dumps(template) if not isinstance(template, str) else template
+        # Templates that know tools get them as apply_chat_template(tools=...); others get them as a system
+        # message in the parser's format, and earlier calls written into the assistant turns.
+        self.template_renders_tools = "tools" in template
+        self.template_renders_calls = "tool_calls" in template
 
     def check_model(self, model: str | None) -> str:
         if model is None:
@@ -103,17 +127,46 @@ class ServerState:
                            f"{max_tokens or 1} to generate).", param=param, code="context_length_exceeded")
 
     def chat_prompt(self, messages, add_generation_prompt: bool = True) -> list[int]:
+        return self.render_chat(messages, add_generation_prompt)[1]
+
+    def render_chat(self, messages, add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None) -> tuple[str, list[int]]:
+        """The chat prompt as text and token ids, tools rendered as the template (or the parser) writes them."""
         if not messages:
             raise APIError(400, "messages must not be empty.", param="messages")
+        dicts = message_dicts(messages)
+        kwargs = {}
+        if not self.template_renders_calls:
+            dicts = [self._calls_as_text(d) for d in dicts]
+        if tools:
+            if self.template_renders_tools:
+                kwargs["tools"] = tools
+            else:
+                dicts = self._tools_as_system(dicts, tools)
         try:
-            text = self.tokenizer.apply_chat_template(message_dicts(messages), tokenize=False,
-                                                      add_generation_prompt=add_generation_prompt)
+            text = self.tokenizer.apply_chat_template(dicts, tokenize=False,
+                                                      add_generation_prompt=add_generation_prompt, **kwargs)
         except APIError:
             raise
         except Exception as e:  # a template may reject role orders etc. with any exception type
             raise APIError(400, f"The chat template rejected the messages: {e}", param="messages") from None
         # The template already holds the special tokens (as LLM.chat does).
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return text, self.tokenizer.encode(text, add_special_tokens=False)
+
+    def _calls_as_text(self, d: dict) -> dict:
+        if not d.get("tool_calls"):
+            return d
+        calls = self.tool_parser.render_calls([(c["function"]["name"], c["function"]["arguments"])
+                                               for c in d["tool_calls"]])
+        rest = {k: v for k, v in d.items() if k != "tool_calls"}
+        return {**rest, "content": (d["content"] + "\n" if d["content"] else "") + calls}
+
+    def _tools_as_system(self, dicts: list[dict], tools: list[dict]) -> list[dict]:
+        described = "\n".join(json.dumps(t["function"]) for t in tools)
+        text = (f"You can call these functions:\n{described}\n\n" + self.tool_parser.format_instructions())
+        if dicts and dicts[0]["role"] in ("system", "developer"):
+            return [{**dicts[0], "content": dicts[0]["content"] + "\n\n" + text}] + dicts[1:]
+        return [{"role": "system", "content": text}] + dicts
 
 
 def _error_response(e: APIError) -> JSONResponse:
@@ -144,11 +197,14 @@ class _Gate:
 
 
 def build_app(engine, served_model_name: str | list[str] | None = None, api_key: str | None = None,
-              max_queue: int = 1024, enable_rl_endpoints: bool = False) -> FastAPI:
+              max_queue: int = 1024, enable_rl_endpoints: bool = False, tool_call_parser: str | None = None,
+              enable_auto_tool_choice: bool = False, reasoning_parser: str | None = None) -> FastAPI:
     """The FastAPI app over a loaded AsyncLLMEngine; `app.state.server` is the shared ServerState.
-    enable_rl_endpoints: the weight update, pause and sleep routes (rl_api.py); without it they do not exist."""
+    enable_rl_endpoints: the weight update, pause and sleep routes (rl_api.py); without it they do not exist.
+    tool_call_parser / enable_auto_tool_choice / reasoning_parser: as vLLM's flags of those names."""
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or [])
-    state = ServerState(engine, names or [engine.model_name], api_key, max_queue)
+    state = ServerState(engine, names or [engine.model_name], api_key, max_queue, tool_call_parser,
+                        enable_auto_tool_choice, reasoning_parser)
     app = FastAPI(title="pagefleet worker", version="0.1.0")
     app.state.server = state
     app.add_middleware(_Gate, state=state)
@@ -200,7 +256,9 @@ def build_app(engine, served_model_name: str | list[str] | None = None, api_key:
         if not prompts:
             raise APIError(400, "The prompt is empty.", param="prompt")
         prompts = [state.tokenizer.encode(x) if isinstance(x, str) else list(x) for x in prompts]
-        params = sampling_params(body, body.max_tokens, body.logprobs, state.max_num_seqs, state.vocab_size)
+        constraint = structured_params(body)
+        params = sampling_params(body, body.max_tokens, body.logprobs, state.max_num_seqs, state.vocab_size,
+                                 constraint[0] if constraint else None)
         for ids in prompts:
             state.check_prompt(ids, body.max_tokens, "prompt")
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -214,12 +272,30 @@ def build_app(engine, served_model_name: str | list[str] | None = None, api_key:
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true.", param="top_logprobs")
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        params = sampling_params(body, max_tokens, logprobs, state.max_num_seqs, state.vocab_size)
-        ids = state.chat_prompt(body.messages)
+        constraint = structured_params(body)
+        tools = check_tools(body.tools)
+        mode, named = tool_choice(body, tools, state.enable_auto_tool_choice)
+        parser = state.tool_parser if mode != "none" else None
+        if mode in ("required", "named"):  # the calls are forced by a grammar: arguments valid for the schema
+            if constraint is not None:
+                raise APIError(400, f"tool_choice {mode if mode == 'required' else 'naming a function'} and "
+                               f"{constraint[1]} both constrain the output; give one", param="tool_choice")
+            tag = parser.constraint(tools, named, parallel=body.parallel_tool_calls is not False)
+            constraint = (StructuredOutputsParams(structural_tag=tag), "tool_choice")
+            check_grammar(constraint[0], "tool_choice")
+        params = sampling_params(body, max_tokens, logprobs, state.max_num_seqs, state.vocab_size,
+                                 constraint[0] if constraint else None)
+        if parser is not None and not parser.skip_special_tokens:
+            params.skip_special_tokens = False  # the format's marker is a special token
+        text, ids = state.render_chat(body.messages, tools=tools if mode != "none" else None)
         state.check_prompt(ids, max_tokens, "messages")
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        reasoning = None
+        if state.reasoning_parser is not None:
+            reasoning = prompt_opens_reasoning(text[-64:])
+        output = ChatOutput(parser, reasoning)
         return await generate(state, request, True, model, [ids], params, body.stream, include_usage,
-                              state.lora_for(model))
+                              state.lora_for(model), output)
 
     @app.get("/v1/models")
     async def models():

@@ -7,12 +7,13 @@ Pydantic checks types only; value ranges are checked by SamplingParams.validate(
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
-from pagefleet.worker.core.sampling_params import SamplingParams
+from pagefleet.worker.core.sampling_params import STRUCTURED_KINDS, SamplingParams, StructuredOutputsParams
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_LOGPROBS = 20
@@ -71,16 +72,14 @@ def _off(*values):
 # we do not implement: refused with a 400 naming them unless they ask for nothing. Fields that change nothing
 # generated (user, metadata, store, service_tier, parallel_tool_calls, prompt_cache_key ...) stay accepted.
 UNSUPPORTED: dict[str, Any] = {
-    "response_format": lambda v, req: isinstance(v, dict) and v.get("type") == "text" and len(v) == 1,
     "best_of": lambda v, req: v == req.n,  # chat only: completions declare it (and the route checks it)
-    "tools": _off([]), "tool_choice": _off("none"), "functions": _off([]), "function_call": _off("none"),
+    "functions": _off([]), "function_call": _off("none"),
     "prediction": _off(), "audio": _off(), "modalities": _off(["text"]), "reasoning_effort": _off(),
     "web_search_options": _off(), "verbosity": _off(),
     # vLLM's extensions
     "use_beam_search": _off(False), "length_penalty": _off(1.0), "bad_words": _off([]),
     "allowed_token_ids": _off(), "prompt_logprobs": _off(), "logits_processors": _off([]),
-    "guided_json": _off(), "guided_regex": _off(), "guided_choice": _off(), "guided_grammar": _off(),
-    "structured_outputs": _off(), "include_stop_str_in_output": _off(False),
+    "include_stop_str_in_output": _off(False),
     "spaces_between_special_tokens": _off(True), "truncate_prompt_tokens": _off(),
     "echo": _off(False), "continue_final_message": _off(False), "add_generation_prompt": _off(True),
     "chat_template": _off(), "chat_template_kwargs": _off({}), "documents": _off(),  # chat's prompt
@@ -117,6 +116,14 @@ class _SamplingRequest(_Request):
     skip_special_tokens: bool = True
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # Output constraints (structured_params below): OpenAI's response_format, vLLM's structured_outputs and the
+    # older guided_* fields; loosely typed here so that every rule's 400 names its exact field.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(_SamplingRequest):
@@ -132,6 +139,8 @@ class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = None  # a tool turn's answer to one of them
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -140,6 +149,9 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class TokenizeRequest(_Request):
@@ -171,15 +183,180 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         d: dict[str, Any] = {"role": m.role, "content": content or ""}
         if m.name is not None:
             d["name"] = m.name
+        if m.tool_call_id is not None:
+            d["tool_call_id"] = m.tool_call_id
+        if m.tool_calls:
+            d["tool_calls"] = [_message_call(c, f"messages[{i}].tool_calls[{j}]") for j, c in enumerate(m.tool_calls)]
         out.append(d)
     return out
+
+
+def _message_call(call: dict, where: str) -> dict:
+    """An earlier turn's call, its arguments as an object: chat templates write them with `tojson`."""
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise APIError(400, f"{where}.function.name must be a string", param="messages")
+    args = fn.get("arguments", "{}")
+    if isinstance(args, str):
+        try:
+            args = json.loads(args or "{}")
+        except ValueError:
+            raise APIError(400, f"{where}.function.arguments is not JSON", param="messages") from None
+    return {"id": call.get("id"), "type": "function", "function": {"name": fn["name"], "arguments": args}}
+
+
+# ---- output constraints and tools ----
+
+# vLLM's structured_outputs options that tune a constraint without being one: accepted, the defaults kept.
+_STRUCTURED_OPTIONS = ("disable_fallback", "disable_any_whitespace", "disable_additional_properties",
+                       "whitespace_pattern", "backend")
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+
+
+def _constraint(kwargs: dict, field: str, param_of) -> StructuredOutputsParams:
+    """StructuredOutputsParams, or a 400 naming the request field (param_of maps the kind to it)."""
+    try:
+        structured = StructuredOutputsParams(**kwargs)
+    except ValueError as e:
+        param = getattr(e, "param", "structured_outputs")
+        kind = param.partition(".")[2] or None
+        raise APIError(400, str(e).replace(param, param_of(kind) if kind else field, 1),
+                       param=param_of(kind) if kind else field) from None
+    check_grammar(structured, param_of(structured.kind))
+    return structured
+
+
+_CHECKED: dict[tuple[str, str], str | None] = {}  # constraint key -> why it is bad (None: good), bounded
+_CHECKED_SIZE = 256
+
+
+def check_grammar(structured: StructuredOutputsParams, param: str) -> None:
+    """Parse the constraint now (no tokenizer, under a millisecond for common schemas), so a bad schema, regex or
+    grammar is a 400 before a stream's status line is sent; verdicts are kept, so a benchmark's one schema is
+    parsed once here."""
+    from pagefleet.worker.engine.structured_output import parse
+
+    key = structured.key()
+    if key not in _CHECKED:
+        try:
+            parse(structured)
+            _CHECKED[key] = None
+        except ValueError as e:
+            _CHECKED[key] = str(e).split(" is not a valid ", 1)[-1]
+        if len(_CHECKED) > _CHECKED_SIZE:
+            del _CHECKED[next(iter(_CHECKED))]
+    reason = _CHECKED[key]
+    if reason is not None:
+        raise APIError(400, f"{param} is not a valid {reason}", param=param)
+
+
+def _response_format(rf: dict) -> StructuredOutputsParams | None:
+    kind = rf.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return _constraint({"json_object": True}, "response_format", lambda k: "response_format")
+    if kind == "json_schema":
+        js = rf.get("json_schema")
+        if not isinstance(js, dict):
+            raise APIError(400, "response_format.json_schema must be an object with name and schema",
+                           param="response_format.json_schema")
+        schema = js.get("schema", js.get("json_schema"))  # some clients nest the schema once more
+        if schema is None:
+            schema = {"type": "object"}  # OpenAI's default: any object
+        if not isinstance(schema, dict):
+            raise APIError(400, "response_format.json_schema.schema must be a JSON schema object",
+                           param="response_format.json_schema.schema")
+        return _constraint({"json": schema}, "response_format.json_schema.schema",
+                           lambda k: "response_format.json_schema.schema")
+    raise APIError(400, f"response_format.type must be one of text, json_object, json_schema; got {kind!r}",
+                   param="response_format.type")
+
+
+def structured_params(req: _SamplingRequest) -> tuple[StructuredOutputsParams, str] | None:
+    """The request's one output constraint and the field that set it; 400 for a bad one or for two."""
+    found: list[tuple[StructuredOutputsParams, str]] = []
+    if req.response_format is not None:
+        c = _response_format(req.response_format)
+        if c is not None:
+            found.append((c, "response_format"))
+    so = req.structured_outputs
+    if so is not None:
+        unknown = sorted(set(so) - set(STRUCTURED_KINDS) - set(_STRUCTURED_OPTIONS))
+        if unknown:
+            raise APIError(400, f"structured_outputs.{unknown[0]} is not a known field; use one of "
+                           + ", ".join(STRUCTURED_KINDS), param=f"structured_outputs.{unknown[0]}")
+        kwargs = {k: v for k, v in so.items() if k in STRUCTURED_KINDS and v is not None}
+        found.append((_constraint(kwargs, "structured_outputs", lambda k: f"structured_outputs.{k}" if k
+                                  else "structured_outputs"), "structured_outputs"))
+    for field, kind in _GUIDED.items():
+        value = getattr(req, field)
+        if value is not None:
+            found.append((_constraint({kind: value}, field, lambda k, f=field: f), field))
+    if len(found) > 1:
+        raise APIError(400, f"{found[1][1]} and {found[0][1]} both constrain the output; give one",
+                       param=found[1][1])
+    return found[0] if found else None
+
+
+def check_tools(tools: list[dict] | None) -> list[dict]:
+    """The request's tools in the OpenAI shape, parameters defaulted and each schema parsed."""
+    out = []
+    names: set[str] = set()
+    for i, tool in enumerate(tools or []):
+        where = f"tools[{i}]"
+        if not isinstance(tool, dict) or tool.get("type", "function") != "function":
+            raise APIError(400, f"{where}.type must be \"function\"", param=f"{where}.type")
+        fn = tool.get("function")
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise APIError(400, f"{where}.function.name must be a non-empty string", param=f"{where}.function.name")
+        if fn["name"] in names:
+            raise APIError(400, f"{where}.function.name {fn['name']!r} is given twice", param=f"{where}.function.name")
+        names.add(fn["name"])
+        parameters = fn.get("parameters")
+        if parameters is None:
+            parameters = {"type": "object", "properties": {}}
+        if not isinstance(parameters, dict):
+            raise APIError(400, f"{where}.function.parameters must be a JSON schema object",
+                           param=f"{where}.function.parameters")
+        check_grammar(StructuredOutputsParams(json=parameters), f"{where}.function.parameters")
+        out.append({"type": "function", "function": {**fn, "parameters": parameters}})
+    return out
+
+
+def tool_choice(req: ChatCompletionRequest, tools: list[dict], auto_enabled: bool) -> tuple[str, str | None]:
+    """(mode, function name): mode none, auto, required or named; vLLM's defaults (auto once tools are given)."""
+    choice = req.tool_choice
+    if choice is None:
+        choice = "auto" if tools else "none"
+    if isinstance(choice, dict):
+        fn = choice.get("function")
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if choice.get("type", "function") != "function" or not isinstance(name, str):
+            raise APIError(400, 'tool_choice must be none, auto, required or {"type": "function", "function": '
+                           '{"name": ...}}', param="tool_choice")
+        if name not in {t["function"]["name"] for t in tools}:
+            raise APIError(400, f"tool_choice names the function {name!r}, which is not in tools",
+                           param="tool_choice")
+        return "named", name
+    if choice not in ("none", "auto", "required"):
+        raise APIError(400, f"tool_choice must be none, auto, required or a function; got {choice!r}",
+                       param="tool_choice")
+    if choice != "none" and not tools:
+        raise APIError(400, f"tool_choice {choice!r} needs tools", param="tool_choice")
+    if choice == "auto" and not auto_enabled:
+        raise APIError(400, '"auto" tool choice needs the server started with --enable-auto-tool-choice '
+                       '(and --tool-call-parser); pass tool_choice "required", "none" or a named function',
+                       param="tool_choice")
+    return choice, None
 
 
 _PARAM_RE = re.compile(r"^([a-z_]+)\b")
 
 
 def sampling_params(req: _SamplingRequest, max_tokens: int | None, logprobs: int | None,
-                    max_num_seqs: int, vocab_size: int) -> SamplingParams:
+                    max_num_seqs: int, vocab_size: int,
+                    structured: StructuredOutputsParams | None = None) -> SamplingParams:
     """Build and validate the engine's SamplingParams; every rejection is a 400 with its param."""
     for name, value in sorted(req._unsupported.items()):
         if value is not None and not UNSUPPORTED[name](value, req):
@@ -225,6 +402,7 @@ def sampling_params(req: _SamplingRequest, max_tokens: int | None, logprobs: int
         logprobs=logprobs,
         logit_bias=logit_bias,
         skip_special_tokens=req.skip_special_tokens,
+        structured=structured,
     )
     try:
         params.validate(vocab_size)

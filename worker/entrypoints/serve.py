@@ -12,6 +12,8 @@ import time
 
 from pagefleet.worker.entrypoints.api_server import ServerState, build_app
 from pagefleet.worker.entrypoints.engine_args import add_engine_arguments, engine_config_from_args
+from pagefleet.worker.entrypoints.reasoning import REASONING_PARSERS
+from pagefleet.worker.entrypoints.tool_parsers import TOOL_PARSERS
 
 log = logging.getLogger("pagefleet.server")
 
@@ -30,6 +32,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get after SIGTERM")
     a("--enable-rl-endpoints", action="store_true",
       help="the RL routes: weight updates (disk, tensors, broadcast), pause / resume, sleep / wake_up")
+    a("--enable-auto-tool-choice", action="store_true",
+      help='serve tool_choice "auto": the reply is parsed for calls ("required" and named functions need no flag)')
+    a("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
+      help="the model's tool-call format (default: from the model family; hermes for Qwen and others)")
+    a("--reasoning-parser", choices=REASONING_PARSERS, default=None,
+      help="split a reply's <think> block into reasoning_content")
     a("--disable-access-log", action="store_true")
     a("--log-level", default="info")
 
@@ -106,7 +114,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         api_key = args.api_key or os.environ.get("PAGEFLEET_API_KEY")  # resolved here: never shown in --help
-        app = build_app(engine, args.served_model_name, api_key, args.max_queue, args.enable_rl_endpoints)
+        app = build_app(engine, args.served_model_name, api_key, args.max_queue, args.enable_rl_endpoints,
+                        args.tool_call_parser, args.enable_auto_tool_choice, args.reasoning_parser)
         uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                    access_log=not args.disable_access_log, timeout_graceful_shutdown=5)
         freeze_startup_heap()  # full GC passes over the start-up heap paused the engine for ~250 ms each

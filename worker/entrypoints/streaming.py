@@ -1,5 +1,6 @@
 """One API request's generation: an engine request per prompt and sample group, pumped into one queue,
-answered as one JSON body or as server-sent events, with usage and logprobs in the OpenAI shape."""
+answered as one JSON body or as server-sent events, with usage and logprobs in the OpenAI shape, and a chat
+choice's text read into reasoning_content, content and tool_calls (ChatOutput)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pagefleet.worker.entrypoints.protocol import APIError, chat_logprobs, completion_logprobs, error_body, usage
+from pagefleet.worker.entrypoints.reasoning import ReasoningStreamer, split_reasoning
 
 if TYPE_CHECKING:
     from pagefleet.worker.entrypoints.api_server import ServerState
@@ -21,6 +23,61 @@ if TYPE_CHECKING:
 log = logging.getLogger("pagefleet.server")
 
 _CLOSED = object()
+
+
+class ChatOutput:
+    """How a chat choice's text becomes its message: the reasoning split off (--reasoning-parser), then the
+    tool calls parsed out of the rest (the request's tools, with the server's --tool-call-parser)."""
+
+    def __init__(self, parser=None, reasoning: bool | None = None):
+        self.parser = parser  # a ToolParser, or None when the request has no tools (or tool_choice none)
+        self.reasoning = reasoning  # None: no reasoning parser; else whether the prompt opened the block
+
+    @property
+    def plain(self) -> bool:
+        return self.parser is None and self.reasoning is None
+
+    def message(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
+        """A finished choice's message and its finish reason ("tool_calls" once it called a tool)."""
+        message: dict = {"role": "assistant"}
+        if self.reasoning is not None:
+            reasoning, text = split_reasoning(text, self.reasoning, final=True)
+            message["reasoning_content"] = reasoning
+        content, calls = self.parser.extract(text) if self.parser is not None else (text, [])
+        message["content"] = content
+        if calls:
+            message["tool_calls"] = [c.to_openai() for c in calls]
+            if finish_reason == "stop":
+                finish_reason = "tool_calls"
+        return message, finish_reason
+
+    def stream(self) -> _ChoiceStream:
+        return _ChoiceStream(self)
+
+
+class _ChoiceStream:
+    """One streamed choice: text deltas in, OpenAI delta objects out (reasoning_content, content, tool_calls)."""
+
+    def __init__(self, output: ChatOutput):
+        self.reasoning = ReasoningStreamer(output.reasoning) if output.reasoning is not None else None
+        self.tools = output.parser.streamer() if output.parser is not None else None
+
+    def feed(self, text: str, final: bool) -> dict:
+        delta: dict = {}
+        if self.reasoning is not None:
+            reasoning, text = self.reasoning.feed(text, final)
+            if reasoning:
+                delta["reasoning_content"] = reasoning
+        if self.tools is not None:
+            text, items = self.tools.feed(text, final)
+            if items:
+                delta["tool_calls"] = items
+        if text:
+            delta["content"] = text
+        return delta
+
+    def finish_reason(self, reason: str | None) -> str | None:
+        return "tool_calls" if reason == "stop" and self.tools is not None and self.tools.called else reason
 
 
 class Generation:
@@ -127,8 +184,10 @@ def _sse(obj) -> str:
 
 
 async def generate(state: ServerState, request: Request, chat: bool, model: str, prompts: list[list[int]],
-                    params, stream: bool, include_usage: bool, lora_name: str | None = None):
+                    params, stream: bool, include_usage: bool, lora_name: str | None = None,
+                    output: ChatOutput | None = None):
     """Run one completions / chat request; returns a JSON or a server-sent-events response."""
+    output = output or ChatOutput()
     if include_usage and not stream:
         raise APIError(400, "stream_options is only allowed with stream=true.", param="stream_options")
     state.admit()
@@ -169,7 +228,7 @@ async def generate(state: ServerState, request: Request, chat: bool, model: str,
                 c = {"index": i * n + o.index, "logprobs": logprobs_of(o.logprobs, 0),
                      "finish_reason": o.finish_reason, "stop_reason": o.stop_reason}
                 if chat:
-                    c["message"] = {"role": "assistant", "content": o.text}
+                    c["message"], c["finish_reason"] = output.message(o.text, o.finish_reason)
                 else:
                     c["text"] = o.text
                 choices.append(c)
@@ -185,12 +244,17 @@ async def generate(state: ServerState, request: Request, chat: bool, model: str,
         seen: dict[int, list[int]] = {}  # choice index -> [text length sent, logprobs sent]
         finished: set[int] = set()
         pending: list[str] = []  # events not yet written: several steps' worth go out in one write
+        streams: dict[int, _ChoiceStream] = {}
+        # Each chunk carries the weight version of the policy that produced it, as non-streamed bodies do.
+        version = state.engine.weight_version
         try:
             if chat:  # the role first, as OpenAI does; it also sends the headers before the first token
                 for index in range(len(prompts) * n):
                     yield _sse({**chunk_head, "choices": [{"index": index, "delta": {"role": "assistant",
-                                "content": ""}, "logprobs": None, "finish_reason": None}], **extra})
+                                "content": ""}, "logprobs": None, "finish_reason": None}], **extra,
+                                "weight_version": version})
             async for i, out in gen.events():
+                version = out.weight_version
                 for o in out.outputs:
                     index = i * n + o.index
                     if index in finished:
@@ -204,16 +268,23 @@ async def generate(state: ServerState, request: Request, chat: bool, model: str,
                         finished.add(index)
                     c = {"index": index, "logprobs": logprobs_of(entries, offset),
                          "finish_reason": o.finish_reason, "stop_reason": o.stop_reason}
-                    if chat:
+                    if chat and output.plain:
                         c["delta"] = {"content": text} if text else {}
+                    elif chat:
+                        s = streams.get(index) or streams.setdefault(index, output.stream())
+                        c["delta"] = s.feed(text, final=o.finish_reason is not None)
+                        c["finish_reason"] = s.finish_reason(o.finish_reason)
+                        if not c["delta"] and not entries and c["finish_reason"] is None:
+                            continue  # held back: it may be the start of a marker
                     else:
                         c["text"] = text
-                    pending.append(_sse({**chunk_head, "choices": [c], **extra}))
+                    pending.append(_sse({**chunk_head, "choices": [c], **extra, "weight_version": version}))
                 if pending and gen.queue.empty():  # caught up with the engine: write what we have
                     yield "".join(pending)
                     pending.clear()
             if include_usage:
-                pending.append(_sse({**chunk_head, "choices": [], "usage": usage(prompt_tokens, completion_tokens())}))
+                pending.append(_sse({**chunk_head, "choices": [], "usage": usage(prompt_tokens, completion_tokens()),
+                                     "weight_version": version}))
         except APIError as e:
             pending.append(_sse(e.body()))
         except ValueError as e:
