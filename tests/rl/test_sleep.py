@@ -43,3 +43,21 @@ def test_level1_sleep_and_wake_keep_greedy_tokens(engines):
         llm.generate(PROMPTS, GREEDY)
     llm.wake_up()
     assert not llm.is_sleeping and tokens(llm) == before
+
+
+def test_level2_wake_and_update_restore_folded_norms(tiny_models):
+    """Level 2 zeroes every parameter, the folded norms (1 since fold_norms, which bring-up runs on the GPU) too;
+    the update that brings the weights back sets them to 1 again, so the greedy tokens are those before the sleep."""
+    path = tiny_models["llama"]
+    llm = LLM(str(path), device="cpu", max_model_len=128, num_gpu_blocks_override=32, enable_sleep_mode=True)
+    with torch.no_grad():
+        llm.engine.runner.model.fold_norms()
+    prompts = [[5, 9, 200, 7], list(range(100, 140))]
+    before = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
+    llm.sleep(2)
+    llm.wake_up()
+    norm = llm.engine.runner.model.model.layers[0].input_layernorm.weight
+    assert not norm.any()  # what the wake-up mapped: zeros
+    llm.update_weights_from_disk(str(path))
+    assert bool((norm == 1).all())
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] == before

@@ -317,6 +317,7 @@ class _WeightWriter:
             new = tensor.to(device=param.device, dtype=param.dtype)
             if new.shape != param.shape:
                 raise ValueError(f"weight shape {tuple(tensor.shape)} does not match parameter {tuple(param.shape)}")
+            param.data.fill_(1.0)  # as fold_norms left it: a level-2 wake-up (executor/sleep.py) zeroed it
             self.new_norms[target] = new
             self.awaited.discard(target)
             for args in self.waiting.pop(target, []):
