@@ -80,3 +80,20 @@ def test_reasoning_split_whole_and_streamed():
     parts = [s.feed(ch) for ch in text] + [s.finish()]
     assert "".join(r for r, _ in parts) == "add 2 and 2\n"
     assert "".join(c for _, c in parts) == "The answer is 4."
+
+
+@pytest.mark.parametrize("name, text", [
+    ("llama3_json", '{"name": "time", "parameters": {"zone": "UTC"}}; '),
+    ("mistral", '[TOOL_CALLS][{"name": "time", "arguments": {"zone": "UTC"}}, '),
+])
+def test_a_trailing_separator_waits_while_streaming_and_is_dropped_at_the_end(name, text):
+    parser = tool_parser(name)
+    partial = parser.parse(text, final=False)
+    assert [c.name for c in partial.calls] == ["time", None]  # a next call may still come
+    content, calls = parser.extract(text)
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("time", TIME)]
+
+
+def test_llama3_text_after_a_call_is_content():
+    text = '{"name": "time", "parameters": {"zone": "UTC"}} and then some words'
+    assert tool_parser("llama3_json").extract(text) == (text, [])

@@ -124,6 +124,32 @@ def parse_call_object(text: str, i: int, final: bool) -> tuple[PartialCall, int 
     return PartialCall(name, args if isinstance(args, str) else json.dumps(args), True), end
 
 
+def parse_call_list(text: str, i: int, final: bool, separator: str, strict: bool) -> list[PartialCall]:
+    """Call objects from text[i] on, `separator` between them (Llama's `;`, Mistral's `,`). strict: text other
+    than a separator after a call means the reply is not in this format (an unnamed call, so it stays content);
+    otherwise it ends the list (Mistral's `]`)."""
+    calls: list[PartialCall] = []
+    while True:
+        if i >= len(text) or text[i] != "{":
+            calls.append(PartialCall(None, "", False))  # not started yet, or not a call object
+            break
+        call, end = parse_call_object(text, i, final)
+        calls.append(call)
+        if end is None or call.name is None:
+            break
+        i = skip_ws(text, end)
+        if i >= len(text):
+            break
+        if text[i] != separator:
+            if strict:
+                calls.append(PartialCall(None, "", False))
+            break
+        i = skip_ws(text, i + 1)
+        if final and i >= len(text):
+            break  # a finished reply's trailing separator: no call follows
+    return calls
+
+
 def hold_back(text: str, markers: tuple[str, ...]) -> str:
     """Text safe to send while more may come: without a tail that could start a marker, and without trailing
     whitespace (dropped before a tool call, released otherwise)."""

@@ -7,10 +7,9 @@ import json
 
 from pagefleet.worker.entrypoints.tool_parsers.base import (
     Parsed,
-    PartialCall,
     ToolParser,
     json_content,
-    parse_call_object,
+    parse_call_list,
     skip_ws,
 )
 
@@ -31,24 +30,7 @@ class Llama3JsonToolParser(ToolParser):
             return Parsed("", [])
         else:
             return Parsed(text if final else text.rstrip(), [])
-        calls: list[PartialCall] = []
-        while True:
-            if i >= len(text) or text[i] != "{":
-                calls.append(PartialCall(None, "", False))
-                break
-            call, end = parse_call_object(text, i, final)
-            calls.append(call)
-            if end is None or call.name is None:
-                break
-            i = skip_ws(text, end)
-            if i >= len(text):
-                break
-            if text[i] != ";":
-                calls.append(PartialCall(None, "", False))  # text after a call: not this format
-                break
-            i = skip_ws(text, i + 1)
-            if i >= len(text):
-                break
+        calls = parse_call_list(text, i, final, ";", strict=True)
         return Parsed("", calls)
 
     def call_tag(self, name: str, parameters: dict) -> dict:

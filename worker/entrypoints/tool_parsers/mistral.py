@@ -12,7 +12,7 @@ from pagefleet.worker.entrypoints.tool_parsers.base import (
     ToolParser,
     hold_back,
     json_content,
-    parse_call_object,
+    parse_call_list,
     scan_value,
     skip_ws,
 )
@@ -38,22 +38,9 @@ class MistralToolParser(ToolParser):
         return Parsed(content, self._named(text, first, final))
 
     def _list(self, text: str, i: int, final: bool) -> list[PartialCall]:
-        calls: list[PartialCall] = []
         if text[i] == "[":
             i = skip_ws(text, i + 1)
-        while True:
-            if i >= len(text) or text[i] != "{":
-                calls.append(PartialCall(None, "", False))
-                break
-            call, end = parse_call_object(text, i, final)
-            calls.append(call)
-            if end is None or call.name is None:
-                break
-            i = skip_ws(text, end)
-            if i >= len(text) or text[i] != ",":
-                break
-            i = skip_ws(text, i + 1)
-        return calls
+        return parse_call_list(text, i, final, ",", strict=False)
 
     def _named(self, text: str, pos: int, final: bool) -> list[PartialCall]:
         calls: list[PartialCall] = []
