@@ -8,6 +8,10 @@ import torch
 import triton
 import triton.language as tl
 
+DECODE_BLOCK_C = 256
+# 16 x 128 tiles: at 16 x 256 the K shifted loads spill (255 registers, sm_90; tests/kernels/test_gdn_compile.py)
+PREFILL_BLOCK_T, PREFILL_BLOCK_C = 16, 128
+
 
 @triton.jit(do_not_specialize=["n_seqs"])
 def _conv_decode_kernel(x_ptr, w_ptr, state_ptr, slots_ptr, y_ptr, n_seqs, C, stride_x, stride_s0, stride_s1,
@@ -94,7 +98,7 @@ def _check(x, weight, conv_state):
                          f"{tuple(conv_state.shape)}")
 
 
-def causal_conv1d(x, weight, conv_state, state_slots, cu_seqlens=None, block_c=256):
+def causal_conv1d(x, weight, conv_state, state_slots, cu_seqlens=None):
     """As gdn_reference.causal_conv1d: -> y [T, C] in x.dtype; conv_state updated in place per slot."""
     _check(x, weight, conv_state)
     T, C = x.shape
@@ -104,7 +108,7 @@ def causal_conv1d(x, weight, conv_state, state_slots, cu_seqlens=None, block_c=2
     y = torch.empty(T, C, dtype=x.dtype, device=x.device)
     if T == 0:
         return y
-    block_c = min(block_c, triton.next_power_of_2(C))
+    block_c = min(DECODE_BLOCK_C, triton.next_power_of_2(C))
     if cu_seqlens is None:
         _conv_decode_kernel[(T, triton.cdiv(C, block_c))](
             x, weight, conv_state, slots, y, T, C, x.stride(0), conv_state.stride(0), conv_state.stride(1),
@@ -115,8 +119,7 @@ def causal_conv1d(x, weight, conv_state, state_slots, cu_seqlens=None, block_c=2
     # each packed token's sequence, on the device (no sync): tokens past cu[-1] get sequence n - 1 and are masked
     seq_of = torch.searchsorted(cu[1:].contiguous(), torch.arange(T, device=x.device, dtype=torch.int32),
                                 right=True).clamp_(max=n - 1).to(torch.int32)
-    # 16 x 128 tiles: at 16 x 256 the K shifted loads spill (255 registers, sm_90)
-    block_t, block_tc = 16, min(block_c, 128)
+    block_t, block_tc = PREFILL_BLOCK_T, min(PREFILL_BLOCK_C, block_c)
     _conv_prefill_kernel[(triton.cdiv(T, block_t), triton.cdiv(C, block_tc))](
         x, weight, conv_state, slots, cu, seq_of, y, T, C, x.stride(0), conv_state.stride(0), conv_state.stride(1),
         K=K, BLOCK_T=block_t, BLOCK_C=block_tc)

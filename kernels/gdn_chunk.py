@@ -17,6 +17,11 @@ import triton.language as tl
 from .gdn_reference import gdn_gating, l2norm
 
 CHUNK = 64
+# sm_90, 27B shape (tf32): one stage keeps the state loop in 57 KB of shared memory (two stages would take 213 KB,
+# three 336 KB, past the 227 KB a block may have); 8 warps cut register spills from 1.7 KB to 0.8 KB a thread.
+# tests/kernels/test_gdn_compile.py compiles both kernels with these settings.
+PREPARE_WARPS = 8
+STATE_WARPS, STATE_STAGES = 8, 1
 
 
 @triton.jit(do_not_specialize=["n_seqs"])
@@ -160,16 +165,19 @@ def chunk_gated_delta_rule(q, k, v, a, b, A_log, dt_bias, ssm_state, state_slots
     w = torch.empty(T, Hv, Dk, dtype=torch.float32, device=dev)
     u = torch.empty(T, Hv, Dv, dtype=torch.float32, device=dev)
     aq = torch.empty(T, Hv, CHUNK, dtype=torch.float32, device=dev)
-    bk_full = triton.next_power_of_2(Dk)
-    bk, bv = min(bk_full, 64), min(triton.next_power_of_2(Dv), 64)
+    prepare, state = tiles(Dk, Dv)
     _chunk_prepare_kernel[(max_chunks, Hv)](
         qn, kn, v, g, beta, cu, chunk_cu, chunk_seq, G, w, u, aq, n, qn.stride(0), qn.stride(1), v.stride(0),
-        v.stride(1), Hv, REP=Hv // Hk, DK=Dk, DV=Dv, BT=CHUNK, BK=bk, BV=bv, PREC=precision, num_warps=8)
-    # sm_90, 27B shape (tf32): one stage keeps the loop in 57 KB of shared memory (two stages would take 213 KB,
-    # three 336 KB, past the 227 KB a block may have); 8 warps cut register spills from 1.7 KB to 0.8 KB a thread
-    bv_state = min(triton.next_power_of_2(Dv), 32)
-    _chunk_state_kernel[(n, Hv, triton.cdiv(Dv, bv_state))](
+        v.stride(1), Hv, REP=Hv // Hk, DK=Dk, DV=Dv, BT=CHUNK, PREC=precision, num_warps=PREPARE_WARPS, **prepare)
+    _chunk_state_kernel[(n, Hv, triton.cdiv(Dv, state["BV"]))](
         qn, kn, G, w, u, aq, ssm_state, cu, slots, o, qn.stride(0), qn.stride(1), ssm_state.stride(0),
-        ssm_state.stride(1), Hv, REP=Hv // Hk, DK=Dk, DV=Dv, BT=CHUNK, BK=bk_full, BV=bv_state, PREC=precision,
-        num_warps=8, num_stages=1)
+        ssm_state.stride(1), Hv, REP=Hv // Hk, DK=Dk, DV=Dv, BT=CHUNK, PREC=precision, num_warps=STATE_WARPS,
+        num_stages=STATE_STAGES, **state)
     return o
+
+
+def tiles(Dk, Dv) -> tuple[dict, dict]:
+    """The two kernels' tile constants: the prepare pass loops over 64-wide slices of Dk and Dv; the state loop
+    holds the whole [Dk, BV] state slice."""
+    return ({"BK": min(triton.next_power_of_2(Dk), 64), "BV": min(triton.next_power_of_2(Dv), 64)},
+            {"BK": triton.next_power_of_2(Dk), "BV": min(triton.next_power_of_2(Dv), 32)})

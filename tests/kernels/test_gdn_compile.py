@@ -1,0 +1,85 @@
+"""The Gated DeltaNet kernels through Triton's whole CUDA pipeline for sm_90 at Qwen3.6-27B's shape, no GPU needed.
+
+The interpreter (test_gdn_triton.py) checks their maths but not what the compiler makes of them: here each kernel,
+with the launch settings its wrapper uses, must fit the shared memory an H200 block may take, and the small ones
+must not spill registers (the chunked rule's two kernels hold 64 x 128 fp32 tiles and spill a little, by design).
+"""
+import re
+import subprocess
+
+import pytest
+
+triton = pytest.importorskip("triton")
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from pagefleet.kernels import causal_conv1d as conv  # noqa: E402
+from pagefleet.kernels import gdn_chunk as chunk  # noqa: E402
+from pagefleet.kernels import gdn_recurrent as rec  # noqa: E402
+
+HK, HV, DK, DV, KW = 16, 48, 128, 128, 4
+SHARED_MAX = 232448  # bytes of shared memory one block may use on sm_90
+F32, BF16, I32 = "*fp32", "*bf16", "*i32"
+
+
+def compile_sm90(fn, pointers, constexprs, num_warps=4, num_stages=3):
+    """fn compiled for sm_90: pointers name its pointer arguments' types, every other argument is an i32 scalar
+    (the fp32 ones are named in pointers too)."""
+    sig = {name: pointers.get(name, "i32") for name in fn.arg_names}
+    sig.update({name: "constexpr" for name in constexprs})
+    src = ASTSource(fn=fn, signature=sig, constexprs=constexprs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps,
+                                                                         "num_stages": num_stages})
+
+
+def spill_bytes(kernel, tmp_path) -> int:
+    """Bytes of register spill stores ptxas reports for the kernel's PTX (the toolkit Triton itself runs)."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    ptx = tmp_path / f"{kernel.name}.ptx"
+    ptx.write_text(kernel.asm["ptx"])
+    proc = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name", "sm_90a", str(ptx), "-o", str(ptx) + ".cubin"],
+                          capture_output=True, text=True, check=True)
+    return int(re.search(r"(\d+) bytes spill stores", proc.stderr).group(1))
+
+
+def test_decode_kernels_fit_and_do_not_spill(tmp_path):
+    bv = min(DV, rec.BLOCK_V)
+    recurrent = compile_sm90(rec._recurrent_kernel,
+                             {"q_ptr": BF16, "k_ptr": BF16, "v_ptr": BF16, "a_ptr": BF16, "b_ptr": BF16,
+                              "A_log_ptr": F32, "dt_bias_ptr": F32, "state_ptr": F32, "slots_ptr": I32,
+                              "o_ptr": BF16, "scale": "fp32"},
+                             {"REP": HV // HK, "DK": DK, "DV": DV, "BK": DK, "BV": bv, "EPS": 1e-6})
+    decode_conv = compile_sm90(conv._conv_decode_kernel, {"x_ptr": BF16, "w_ptr": BF16, "state_ptr": BF16,
+                                                          "slots_ptr": I32, "y_ptr": BF16},
+                               {"K": KW, "BLOCK_C": conv.DECODE_BLOCK_C})
+    for k in (recurrent, decode_conv):
+        assert k.asm["cubin"] and k.metadata.shared <= SHARED_MAX and spill_bytes(k, tmp_path) == 0
+
+
+def test_prefill_conv_fits_and_does_not_spill(tmp_path):
+    out = compile_sm90(conv._conv_prefill_kernel, {"x_ptr": BF16, "w_ptr": BF16, "state_ptr": BF16,
+                                                   "slots_ptr": I32, "cu_ptr": I32, "seq_of_ptr": I32,
+                                                   "y_ptr": BF16},
+                       {"K": KW, "BLOCK_T": conv.PREFILL_BLOCK_T, "BLOCK_C": conv.PREFILL_BLOCK_C})
+    state = compile_sm90(conv._conv_state_kernel, {"x_ptr": BF16, "state_ptr": BF16, "slots_ptr": I32,
+                                                   "cu_ptr": I32},
+                         {"K": KW, "KP": 4, "BLOCK_C": conv.DECODE_BLOCK_C})
+    for k in (out, state):
+        assert k.asm["cubin"] and k.metadata.shared <= SHARED_MAX and spill_bytes(k, tmp_path) == 0
+
+
+@pytest.mark.parametrize("precision", ["tf32", "ieee"])  # bf16 models, fp32 models
+def test_chunk_kernels_fit_in_shared_memory(precision):
+    prepare, state = chunk.tiles(DK, DV)
+    shape = {"REP": HV // HK, "DK": DK, "DV": DV, "BT": chunk.CHUNK, "PREC": precision}
+    first = compile_sm90(chunk._chunk_prepare_kernel,
+                         {"q_ptr": F32, "k_ptr": F32, "v_ptr": BF16, "g_ptr": F32, "beta_ptr": F32, "cu_ptr": I32,
+                          "chunk_cu_ptr": I32, "chunk_seq_ptr": I32, "G_ptr": F32, "w_ptr": F32, "u_ptr": F32,
+                          "aq_ptr": F32}, {**shape, **prepare}, num_warps=chunk.PREPARE_WARPS)
+    loop = compile_sm90(chunk._chunk_state_kernel,
+                        {"q_ptr": F32, "k_ptr": F32, "G_ptr": F32, "w_ptr": F32, "u_ptr": F32, "aq_ptr": F32,
+                         "state_ptr": F32, "cu_ptr": I32, "slot_ptr": I32, "o_ptr": BF16}, {**shape, **state},
+                        num_warps=chunk.STATE_WARPS, num_stages=chunk.STATE_STAGES)
+    for k in (first, loop):
+        assert k.asm["cubin"] and k.metadata.shared <= SHARED_MAX, k.metadata.shared
