@@ -20,6 +20,9 @@ class CompletionOutput:
     finish_reason: str | None = None  # None while running, then "stop" or "length" (or "abort")
     logprobs: list[TokenLogprobs] | None = None
     stop_reason: str | int | None = None  # the stop string or stop token that ended it
+    # (weight version, index of the first output token it produced) per version that ran this sample, oldest
+    # first: [(v, 0)] for one policy; [(0, 0), (1, 5)] when held by pause("keep") across an update after 5 tokens
+    weight_versions: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass

@@ -254,7 +254,7 @@ class LLMEngine(WeightUpdates):
                 ids = ids[:-1]
             completions.append(CompletionOutput(seq.index, text, ids, seq.finish_reason,
                                                 list(seq.logprobs) if seq.logprobs is not None else None,
-                                                seq.stop_reason))
+                                                seq.stop_reason, list(seq.weight_versions)))
         version, versions = output_versions(request.seqs, [len(c.token_ids) for c in completions])
         return RequestOutput(request.request_id, request.prompt_token_ids, completions, finished,
                              request.seqs[0].num_cached_tokens, version, versions)

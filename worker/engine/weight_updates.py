@@ -69,9 +69,12 @@ class WeightUpdates(EngineStep):
 
     def in_flight(self) -> int:
         """Sequences with work done under the current weights that is not finished: running, preempted after
-        producing tokens, or with a step still on the device."""
+        producing tokens, or with their last token still on the device (retired from the batch)."""
         s = self.scheduler
-        return len(s.running) + sum(1 for seq in s.waiting if seq.num_output_tokens) + (self.pending is not None)
+        seqs = {seq.seq_id for seq in s.running} | {seq.seq_id for seq in s.waiting if seq.num_output_tokens}
+        if self.pending is not None:
+            seqs.update(seq.seq_id for seq in self.pending.seqs if not seq.is_finished)
+        return len(seqs)
 
     def _resolve_pending(self) -> list[RequestOutput]:
         """The overlapped step still on the device, read back: weights must not change under it."""
