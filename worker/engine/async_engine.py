@@ -214,6 +214,10 @@ class AsyncLLMEngine:
     async def load_lora(self, name: str, path: str) -> None:
         await self.call(lambda: self.engine.load_lora(name, path))
 
+    async def load_lora_from_tensors(self, name: str, tensors, config: dict) -> None:
+        """tensors: a dict, pairs, or the string of serialize_named_tensors (opened on the loop thread)."""
+        await self.call(lambda: self.engine.load_lora_from_tensors(name, tensors, config))
+
     async def unload_lora(self, name: str) -> None:
         await self.call(lambda: self.engine.unload_lora(name))
 

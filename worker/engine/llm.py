@@ -50,6 +50,11 @@ class LLM:
         """Load a PEFT LoRA folder under `name` (needs enable_lora=True)."""
         self.engine.load_lora(name, path)
 
+    def load_lora_from_tensors(self, name: str, tensors, config: dict) -> None:
+        """Load an adapter from tensors with PEFT names (a dict, pairs, or serialize_named_tensors' string) and
+        its adapter_config fields (r, lora_alpha, ...), as SGLang's load_lora_adapter_from_tensors takes them."""
+        self.engine.load_lora_from_tensors(name, tensors, config)
+
     def unload_lora(self, name: str) -> None:
         self.engine.unload_lora(name)
 

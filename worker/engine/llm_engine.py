@@ -174,6 +174,16 @@ class LLMEngine(WeightUpdates):
             raise ValueError("LoRA adapters are off: start the engine with enable_lora (--enable-lora)")
         self.runner.lora.load(name, path)
 
+    def load_lora_from_tensors(self, name: str, tensors, config: dict) -> None:
+        """An adapter from a trainer's tensors: a dict or (name, tensor) pairs with PEFT names, or the string of
+        weight_transfer.serialize_named_tensors (CUDA IPC handles), and its adapter_config fields."""
+        if self.runner.lora is None:
+            raise ValueError("LoRA adapters are off: start the engine with enable_lora (--enable-lora)")
+        from pagefleet.worker.executor.weight_transfer import deserialize_named_tensors, named_list
+
+        pairs = deserialize_named_tensors(tensors) if isinstance(tensors, str) else named_list(tensors)
+        self.runner.lora.load_tensors(name, dict(pairs), config)
+
     def unload_lora(self, name: str) -> None:
         if self.runner.lora is None or name not in self.runner.lora.names:
             raise ValueError(f"no LoRA adapter named {name!r} is loaded")

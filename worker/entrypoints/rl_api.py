@@ -13,6 +13,8 @@ error shape, and the engine keeps serving its old weights.
     POST /update_weights_from_tensor      {"serialized_named_tensors"}
     POST /pause {"mode": "abort" | "wait" | "keep"} (or ?mode=, as vLLM),  POST /resume,  GET /is_paused
     POST /sleep?level=1|2,  POST /wake_up[?tags=weights&tags=kv_cache],  GET /is_sleeping
+    POST /load_lora_adapter_from_tensors   {"lora_name", "config_dict", "serialized_tensors"} (also at
+                                           /load_lora_adapter_from_tensor); needs --enable-lora as well
 """
 
 from __future__ import annotations
@@ -60,6 +62,15 @@ class UpdateWeightsFromDistributedRequest(_UpdateRequest):
 class UpdateWeightsFromTensorRequest(_UpdateRequest):
     # SGLang sends one serialized string per tensor-parallel rank; one rank here, so one string (or the string)
     serialized_named_tensors: list[str] | str
+
+
+class LoadLoRAFromTensorsRequest(_Request):
+    # SGLang's fields: PEFT tensor names, adapter_config.json fields, the string of serialize_named_tensors
+    lora_name: str = Field(min_length=1)
+    config_dict: dict
+    serialized_tensors: str = Field(min_length=1)
+    pinned: bool = False  # an adapter here stays loaded until unloaded: every one is pinned
+    load_format: str | None = None
 
 
 class PauseRequest(_Request):
@@ -123,6 +134,21 @@ def add_rl_routes(app: FastAPI, state) -> None:
                            f"{len(body.dtypes)} and {len(body.shapes)}.", param="names")
         return await update(body, "names", engine.update_weights_from_distributed, body.names, body.dtypes,
                             [tuple(s) for s in body.shapes], body.group_name)
+
+    async def load_lora_adapter_from_tensors(body: LoadLoRAFromTensorsRequest):
+        if body.load_format not in (None, "auto"):
+            raise APIError(400, f"load_format {body.load_format!r} is not supported: send the string of "
+                           f"serialize_named_tensors.", param="load_format")
+        if body.lora_name in state.served_model_names:
+            raise APIError(400, f"`{body.lora_name}` is the base model's name.", param="lora_name")
+        try:
+            await engine.load_lora_from_tensors(body.lora_name, body.serialized_tensors, body.config_dict)
+        except ValueError as e:
+            raise APIError(400, str(e), param="serialized_tensors") from None
+        return {"success": True, "message": f"Success: LoRA adapter '{body.lora_name}' added successfully."}
+
+    for path in ("/load_lora_adapter_from_tensors", "/load_lora_adapter_from_tensor"):  # SGLang's name, and ours
+        app.post(path, responses=ERROR_RESPONSES)(load_lora_adapter_from_tensors)
 
     @app.post("/pause", responses=ERROR_RESPONSES)
     async def pause(request: Request, mode: str | None = None):  # ?mode= as vLLM; else the body

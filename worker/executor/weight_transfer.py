@@ -97,11 +97,18 @@ def deserialize_named_tensors(s: str) -> list[tuple[str, torch.Tensor]]:
         payload = _HandleUnpickler(io.BytesIO(base64.b64decode(s, validate=True))).load()
     except (ValueError, pickle.UnpicklingError, EOFError) as e:
         raise ValueError(f"not a serialized tensor list: {e}") from None
+    except RuntimeError as e:  # a CPU storage's shared memory is gone (opened before, or let go of by the sender)
+        raise ValueError(f"cannot open the serialized tensors: {e} (serialize them for each call and keep them "
+                         f"alive until it returns)") from None
     out = []
     for name, (rebuild, args) in payload:
         if rebuild is reductions.rebuild_cuda_tensor:
             args = (*args[:6], _device_index(args[6].uuid), *args[7:])
-        out.append((name, rebuild(*args)))
+        try:
+            out.append((name, rebuild(*args)))
+        except RuntimeError as e:  # the sender let go of it before the engine opened it
+            raise ValueError(f"cannot open tensor {name!r}: {e} (serialize the tensors for each call and keep "
+                             f"them alive until it returns)") from None
     return out
 
 

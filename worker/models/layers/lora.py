@@ -101,17 +101,27 @@ class LoRAManager:
 
     def load(self, name: str, path: str) -> int:
         """Read a PEFT adapter folder into a free slot; returns its id. ValueError says what is wrong."""
+        tensors, config = read_peft_folder(Path(path))
+        return self.load_tensors(name, tensors, config, path)
+
+    def load_tensors(self, name: str, tensors: dict[str, torch.Tensor], config: dict, path: str = "<tensors>") -> int:
+        """An adapter from its PEFT tensors (names as in adapter_model.safetensors) and adapter_config fields,
+        into a free slot; returns its id. Every tensor is checked before a slot is written; path is what
+        /load reports for it."""
         if name in self.slot_of:
             raise ValueError(f"a LoRA adapter named {name!r} is already loaded")
         free = sorted(set(range(self.max_loras)) - set(self.slot_of.values()))
         if not free:
             raise ValueError(f"all {self.max_loras} LoRA slots are in use (--max-loras); unload one first")
-        tensors, scale = read_peft_adapter(Path(path), self.max_rank, len(self.layers))
+        pairs, scale = peft_adapter(tensors, config, self.max_rank, len(self.layers))
+        for (layer, target), pair in pairs.items():
+            module, shard = TARGETS[target]
+            pair.check(self.layers[layer][module], shard)
         slot = free[0]
         self._clear(slot)  # a failed earlier load may have left part of an adapter here
-        for (layer, target), (a, b) in tensors.items():
+        for (layer, target), pair in pairs.items():
             module, shard = TARGETS[target]
-            self.layers[layer][module].write(slot, shard, a.to(self.device), (b * scale).to(self.device))
+            self.layers[layer][module].write(slot, shard, pair.a.to(self.device), (pair.b * scale).to(self.device))
         lora_id = next(self._ids)
         self.slot_of[name], self.id_of[name], self.slot_of_id[lora_id] = slot, lora_id, slot
         self.path_of[name] = path
@@ -143,9 +153,26 @@ class LoRAManager:
         return LoRAMapping([(slot, torch.tensor(r, dtype=torch.long, device=self.device)) for slot, r in rows.items()])
 
 
-def read_peft_adapter(folder: Path, max_rank: int,
-                      num_layers: int) -> tuple[dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]], float]:
-    """{(layer, target): (A [r, in], B [out, r])} and the scale of a PEFT LoRA folder, checked."""
+@dataclass
+class AdapterPair:
+    """One adapted linear's lora_A [r, in] and lora_B [out, r], with their PEFT names for errors."""
+
+    a_name: str
+    a: torch.Tensor
+    b_name: str
+    b: torch.Tensor
+
+    def check(self, weights: LoRAWeights, shard: int) -> None:
+        """Against the model's linear, naming the tensor that does not fit (another model's adapter)."""
+        r, inputs, rows = self.a.shape[0], weights.a.shape[2], weights.shards[shard][1]
+        for name, t, want in ((self.a_name, self.a, (r, inputs)), (self.b_name, self.b, (rows, r))):
+            if tuple(t.shape) != want:
+                raise ValueError(f"LoRA tensor {name!r} has shape {tuple(t.shape)}, but this model's linear needs "
+                                 f"{want}: was the adapter made for another model?")
+
+
+def read_peft_folder(folder: Path) -> tuple[dict[str, torch.Tensor], dict]:
+    """The tensors and adapter_config.json of a PEFT LoRA folder."""
     from safetensors.torch import load_file
 
     config_path, weights_path = folder / "adapter_config.json", folder / "adapter_model.safetensors"
@@ -153,29 +180,59 @@ def read_peft_adapter(folder: Path, max_rank: int,
         raise ValueError(f"{folder} is not a LoRA adapter folder: adapter_config.json is missing")
     if not weights_path.is_file():
         raise ValueError(f"{folder} has no adapter_model.safetensors (only safetensors adapters are read)")
-    config = json.loads(config_path.read_text())
-    r, alpha = int(config.get("r", 0)), float(config.get("lora_alpha", config.get("r", 0)))
+    tensors = load_file(str(weights_path))
+    if not tensors:
+        raise ValueError(f"{weights_path} holds no LoRA weights")
+    return tensors, json.loads(config_path.read_text())
+
+
+def peft_adapter(tensors: dict[str, torch.Tensor], config: dict, max_rank: int,
+                 num_layers: int) -> tuple[dict[tuple[int, str], AdapterPair], float]:
+    """{(layer, target): its A and B} and the scale of an adapter given as PEFT tensors and adapter_config
+    fields (a folder's, or a trainer's in memory), checked: each error names the tensor or field."""
+    if not isinstance(config, dict):
+        raise ValueError(f"the LoRA config must be a dict of adapter_config.json fields, got {type(config).__name__}")
+    r, alpha = config.get("r"), config.get("lora_alpha", config.get("r"))
+    if not isinstance(r, int) or isinstance(r, bool) or not isinstance(alpha, (int, float)):
+        raise ValueError(f"the LoRA config needs an integer r and a number lora_alpha, got r={r!r}, "
+                         f"lora_alpha={alpha!r}")
     if not 0 < r <= max_rank:
         raise ValueError(f"adapter rank {r} is outside 1..{max_rank} (--max-lora-rank)")
     if config.get("bias", "none") != "none" or config.get("fan_in_fan_out"):
         raise ValueError("LoRA adapters with bias or fan_in_fan_out weights are not supported")
+    for field_name in ("use_dora", "rank_pattern", "alpha_pattern"):  # each changes the maths of some linears
+        if config.get(field_name):
+            raise ValueError(f"LoRA config field {field_name!r} is not supported")
     scale = alpha / r**0.5 if config.get("use_rslora") else alpha / r
-    pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
-    for key, tensor in load_file(str(weights_path)).items():
-        parts = key.split(".")
-        if "layers" not in parts or parts[-2] not in ("lora_A", "lora_B"):
-            raise ValueError(f"unsupported LoRA tensor {key!r}: only the decoder layers' linears can be adapted")
-        layer, target = int(parts[parts.index("layers") + 1]), parts[-3]
+    if not tensors:
+        raise ValueError("the adapter holds no LoRA tensors")
+    found: dict[tuple[int, str], dict[str, tuple[str, torch.Tensor]]] = {}
+    for key, tensor in tensors.items():
+        parts = str(key).split(".")
+        if "layers" not in parts or parts[-2] not in ("lora_A", "lora_B") or parts[-1] != "weight":
+            raise ValueError(f"unsupported LoRA tensor {key!r}: only the decoder layers' linears can be adapted "
+                             f"(PEFT names: ...layers.N.<module>.lora_A.weight / lora_B.weight)")
+        if not isinstance(tensor, torch.Tensor) or tensor.dim() != 2 or not tensor.is_floating_point():
+            what = f"shape {tuple(tensor.shape)}, {tensor.dtype}" if isinstance(tensor, torch.Tensor) else \
+                type(tensor).__name__
+            raise ValueError(f"LoRA tensor {key!r} must be a 2-D floating-point tensor, got {what}")
+        index, target = parts[parts.index("layers") + 1], parts[-3]
+        if not index.isdigit():
+            raise ValueError(f"unsupported LoRA tensor {key!r}: no layer number after 'layers'")
         if target not in TARGETS:
             raise ValueError(f"unsupported LoRA target {target!r} in {key!r}; supported: {', '.join(TARGETS)}")
-        if layer >= num_layers:
-            raise ValueError(f"{key!r} names layer {layer}, but the model has {num_layers}")
-        pairs.setdefault((layer, target), {})[parts[-2]] = tensor.float()
+        if int(index) >= num_layers:
+            raise ValueError(f"{key!r} names layer {index}, but the model has {num_layers}")
+        found.setdefault((int(index), target), {})[parts[-2]] = (str(key), tensor.float())
     out = {}
-    for (layer, target), pair in pairs.items():
-        if set(pair) != {"lora_A", "lora_B"} or pair["lora_A"].shape[0] != r or pair["lora_B"].shape[1] != r:
-            raise ValueError(f"layer {layer} {target}: lora_A [r, in] and lora_B [out, r] with r = {r} are needed")
-        out[(layer, target)] = (pair["lora_A"], pair["lora_B"])
-    if not out:
-        raise ValueError(f"{weights_path} holds no LoRA weights")
+    for (layer, target), pair in found.items():
+        if set(pair) != {"lora_A", "lora_B"}:
+            (have, (name, _)), = pair.items()
+            raise ValueError(f"{name!r} has no {'lora_B' if have == 'lora_A' else 'lora_A'} beside it")
+        (a_name, a), (b_name, b) = pair["lora_A"], pair["lora_B"]
+        for name, dim, size in ((a_name, 0, a.shape[0]), (b_name, 1, b.shape[1])):
+            if size != r:
+                raise ValueError(f"LoRA tensor {name!r} has shape {tuple((a if name == a_name else b).shape)}: "
+                                 f"dimension {dim} must be the rank r = {r}")
+        out[(layer, target)] = AdapterPair(a_name, a, b_name, b)
     return out, scale
