@@ -337,12 +337,13 @@ def update(out: dict) -> None:
         disk_s, _, tokens_b, sums_b = take("disk B", lambda: llm.update_weights_from_disk(b_path), None, None, b.tokens)
         seconds, _, _, _ = take("disk A", lambda: llm.update_weights_from_disk(b.path), b.tokens, b.sums)
         out["disk_s"] = [disk_s, seconds]
+        save()
         log(f"from disk: {disk_s:.2f}s, {seconds:.2f}s for {gb:.2f} GB ({gb / min(disk_s, seconds):.1f} GB/s)")
 
         for layout in ("per-tensor", "flat"):
             if layout == "flat":
                 out["flatten_s"] = trainer.ask("flatten", "a") + trainer.ask("flatten", "b")
-            runs = []
+            runs = out[f"ipc_{layout}"] = []
             for rep in range(ARGS.ipc_repeats):
                 for which, want in (("b", (tokens_b, sums_b)), ("a", (b.tokens, b.sums))):
                     _, row, _, _ = take(f"IPC {layout} {which.upper()} #{rep}",
@@ -351,7 +352,7 @@ def update(out: dict) -> None:
                     log(f"IPC {layout} {which.upper()}: {row['total_s']:.3f}s (trainer serializes "
                         f"{row['serialize_s'] * 1e3:.1f} ms, engine takes {row['engine_s']:.3f}s; "
                         f"{row['handle_chars']} characters of handles)")
-            out[f"ipc_{layout}"] = runs
+                    save()
     finally:
         trainer.stop()
 
