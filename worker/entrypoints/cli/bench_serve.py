@@ -12,6 +12,10 @@ requests that were in flight at once.
 Exact prompt lengths: `--prompt-format words` sends N words "t<id>", which is N tokens when the server's
 checkpoint has the word-level tokenizer that `--write-word-tokenizer DIR` writes ("t0" ... "tN", split on
 whitespace); `--prompt-format ids` sends token ids and needs no tokenizer change.
+
+`--json-schema FILE` puts the schema in every request as its `response_format` (structured outputs under
+load): outputs then end where the JSON closes (no ignore_eos), and each is checked against the schema; a level
+reports the outputs that do not validate and those cut off at the output length.
 """
 
 from __future__ import annotations
@@ -41,6 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--vocab-low", type=int, default=100, help="prompt tokens are drawn from [low, high)")
     a("--vocab-high", type=int, default=None, help="default: the server's vocabulary size")
     a("--seed", type=int, default=0)
+    a("--json-schema", metavar="FILE", default=None,
+      help="a JSON schema (or an OpenAI json_schema object with name and schema) every request carries as "
+           "response_format; outputs are validated against it")
     a("--json-out", default=None, help="also write the results as JSON here")
     a("--trace-out", default=None,
       help="write each request's start, first-token and end times and the server's steps (/debug/steps) per "
@@ -77,11 +84,13 @@ class Result:
     itls: list[float] = field(default_factory=list)
     output_tokens: int = 0
     error: str | None = None
+    text: str = ""  # kept only with --json-schema, to validate
+    finish_reason: str | None = None
     start: float = 0.0  # time.perf_counter() at send and at the end of the stream
     end: float = 0.0
 
 
-async def _one(session, url: str, headers: dict, body: dict) -> Result:
+async def _one(session, url: str, headers: dict, body: dict, keep_text: bool = False) -> Result:
     r = Result()
     start = r.start = time.perf_counter()
     last = None
@@ -100,7 +109,11 @@ async def _one(session, url: str, headers: dict, body: dict) -> Result:
                     return r
                 if chunk.get("usage"):
                     r.output_tokens = chunk["usage"]["completion_tokens"]
+                if chunk.get("choices") and chunk["choices"][0].get("finish_reason"):
+                    r.finish_reason = chunk["choices"][0]["finish_reason"]
                 if chunk.get("choices") and chunk["choices"][0].get("text"):
+                    if keep_text:
+                        r.text += chunk["choices"][0]["text"]
                     now = time.perf_counter()
                     if last is None:
                         r.ttft = now - start
@@ -134,9 +147,12 @@ async def _level(session, args, headers: dict, model: str, prompts: list, concur
         nonlocal in_flight, peak
         body = {"model": model, "prompt": prompt, "max_tokens": args.output_len, "ignore_eos": True,
                 "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
+        if args.response_format is not None:  # the output ends where its JSON closes
+            body["response_format"] = args.response_format
+            body["ignore_eos"] = False
         in_flight += 1
         peak = max(peak, in_flight)
-        results.append(await _one(session, url, headers, body))
+        results.append(await _one(session, url, headers, body, keep_text=args.response_format is not None))
         in_flight -= 1
 
     async def slot():
@@ -156,11 +172,18 @@ async def _level(session, args, headers: dict, model: str, prompts: list, concur
     wall = time.perf_counter() - start
     ok = [r for r in results if r.error is None]
     tokens = sum(r.output_tokens for r in ok)
+    constrained = {}
+    if args.response_format is not None:
+        cut = [r for r in ok if r.finish_reason == "length"]
+        invalid = [r for r in ok if r.finish_reason != "length" and not _validates(r.text, args.schema)]
+        constrained = {"invalid_outputs": len(invalid), "cut_off_outputs": len(cut),
+                       "first_invalid": invalid[0].text[:200] if invalid else None}
     return {
         "concurrency": concurrency, "request_rate": rate, "max_in_flight": peak,
         "requests": len(results), "errors": len(results) - len(ok),
         "first_error": next((r.error for r in results if r.error), None),
-        "short_outputs": sum(1 for r in ok if r.output_tokens != args.output_len),
+        "short_outputs": 0 if constrained else sum(1 for r in ok if r.output_tokens != args.output_len),
+        **constrained,
         "ttft_p50_ms": 1e3 * _pct([r.ttft for r in ok], 50), "ttft_p99_ms": 1e3 * _pct([r.ttft for r in ok], 99),
         "itl_p50_ms": 1e3 * _pct([x for r in ok for x in r.itls], 50),
         "itl_p99_ms": 1e3 * _pct([x for r in ok for x in r.itls], 99),
@@ -196,7 +219,9 @@ async def _main(args) -> list[dict]:
                                                gaps)
             rows.append(row)
             print(f"  {_level_name(row)}: {row['requests']} requests, {row['errors']} errors, "
-                  f"{row['output_tok_s']:.1f} tok/s", file=sys.stderr, flush=True)
+                  f"{row['output_tok_s']:.1f} tok/s"
+                  + (f", {row['invalid_outputs']} invalid, {row['cut_off_outputs']} cut off JSON outputs"
+                     if "invalid_outputs" in row else ""), file=sys.stderr, flush=True)
             if args.trace_out:
                 async with session.get(base + "/debug/steps", headers=headers) as resp:
                     steps = (await resp.json())["recent_steps"] if resp.status == 200 else []  # not a pagefleet server
@@ -216,6 +241,35 @@ def _trace(concurrency: int, results: list[Result], steps: list[dict], start: fl
                       "output_tokens": r.output_tokens, "error": r.error} for r in results],
         "server_steps": [{**st, "start_s": st["start_s"] - start} for st in steps if st.get("start_s", 0.0) >= start],
     }
+
+
+def _validates(text: str, schema: dict) -> bool:
+    import jsonschema
+
+    try:
+        jsonschema.validate(json.loads(text), schema)
+    except (ValueError, jsonschema.ValidationError):
+        return False
+    return True
+
+
+def load_response_format(path: str) -> dict:
+    """The file's schema as a json_schema response_format; ValueError when it is not JSON or not an object."""
+    import jsonschema
+
+    with open(path) as f:
+        spec = json.load(f)
+    if not isinstance(spec, dict):
+        raise ValueError(f"{path}: a JSON schema must be an object")
+    if isinstance(spec.get("schema"), dict) and "name" in spec:  # already OpenAI's json_schema object
+        spec, name = spec["schema"], spec["name"]
+    else:
+        name = os.path.splitext(os.path.basename(path))[0] or "schema"
+    try:
+        jsonschema.validators.validator_for(spec).check_schema(spec)
+    except jsonschema.SchemaError as e:
+        raise ValueError(f"{path}: not a valid JSON schema: {e.message}") from None
+    return {"type": "json_schema", "json_schema": {"name": name, "schema": spec, "strict": True}}
 
 
 def _level_name(row: dict) -> str:
@@ -252,10 +306,21 @@ def run(args: argparse.Namespace) -> int:
         print(f"pagefleet bench serve: --request-rate must be > 0 (inf: all at once), got {bad_rates[0]:g}",
               file=sys.stderr)
         return 2
+    args.response_format = args.schema = None
+    if args.json_schema:
+        try:
+            args.response_format = load_response_format(args.json_schema)
+        except (OSError, ValueError) as e:
+            print(f"pagefleet bench serve: --json-schema {e}", file=sys.stderr)
+            return 2
+        args.schema = args.response_format["json_schema"]["schema"]
     rows = asyncio.run(_main(args))
     print(format_table(rows))
-    bad = [r for r in rows if r["errors"] or r["short_outputs"]]
+    bad = [r for r in rows if r["errors"] or r["short_outputs"] or r.get("invalid_outputs")]
     for r in bad:
+        if r.get("invalid_outputs"):
+            print(f"{_level_name(r)}: {r['invalid_outputs']} outputs do not validate against the schema, e.g. "
+                  f"{r['first_invalid']!r}", file=sys.stderr)
         print(f"{_level_name(r)}: {r['errors']} errors ({r['first_error']}), "
               f"{r['short_outputs']} outputs not {args.output_len} tokens", file=sys.stderr)
     if args.json_out:
