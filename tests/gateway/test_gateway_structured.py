@@ -1,0 +1,75 @@
+"""Structured outputs and tools through the gateway: the real LiteLLM proxy (`pagefleet gateway`) in front of one
+real `pagefleet serve`, driven by the real `openai` client; response_format and tools reach the worker and
+what comes back validates."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from test_gateway_e2e import MASTER_KEY, MODEL, gateway, worker
+
+pytestmark = pytest.mark.slow
+
+SCHEMA = {"type": "object", "properties": {
+    "color": {"type": "string", "enum": ["red", "green", "blue"]},
+    "sizes": {"type": "array", "items": {"type": "integer", "minimum": 1, "maximum": 99}, "maxItems": 3}},
+    "required": ["color", "sizes"], "additionalProperties": False}
+TOOL = {"type": "function", "function": {"name": "lookup", "description": "Look a word up", "parameters": {
+    "type": "object", "properties": {"word": {"type": "string", "maxLength": 12}}, "required": ["word"],
+    "additionalProperties": False}}}
+
+
+@pytest.fixture(scope="module")
+def gw(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("gateway-structured")
+    w = worker(tmp, 0)
+    g = gateway(tmp, "ours", [w], "queue-depth")
+    try:
+        w.wait_ready()
+        g.wait_ready()
+        yield g
+    finally:
+        g.stop()
+        w.stop()
+
+
+def client(g) -> openai.OpenAI:
+    return openai.OpenAI(base_url=g.url + "/v1", api_key=MASTER_KEY, max_retries=0, timeout=120)
+
+
+def test_response_format_passes_through(gw):
+    c = client(gw)
+    fmt = {"type": "json_schema", "json_schema": {"name": "shirt", "schema": SCHEMA, "strict": True}}
+    for content in ("Describe a shirt.", "Pick sizes."):
+        r = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}],
+                                      response_format=fmt, max_tokens=60, temperature=0)
+        jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMA)
+    stream = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "A shirt."}],
+                                       response_format=fmt, max_tokens=60, temperature=0, stream=True)
+    text = "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices)
+    jsonschema.validate(json.loads(text), SCHEMA)
+
+
+def test_tools_pass_through(gw):
+    c = client(gw)
+    r = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Look up 'cat'."}],
+                                  tools=[TOOL], tool_choice={"type": "function", "function": {"name": "lookup"}},
+                                  max_tokens=40, temperature=0)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "lookup" and call.id
+    jsonschema.validate(json.loads(call.function.arguments), TOOL["function"]["parameters"])
+
+
+def test_a_bad_response_format_is_a_400_from_the_worker(gw):
+    r = httpx.post(gw.url + "/v1/chat/completions", headers={"Authorization": f"Bearer {MASTER_KEY}"}, timeout=60,
+                   json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                         "response_format": {"type": "json_schema",
+                                             "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}})
+    assert r.status_code == 400
+    assert "response_format.json_schema.schema" in r.text
