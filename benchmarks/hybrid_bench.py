@@ -53,15 +53,15 @@ VISION_TINY = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, o
 VLLM = {"init_s": 231.0, "batch1": 63.6, "mixed256": 2647.5, "mixed256_t1": None, "grpo": None}
 ANCHOR_LABEL = "vLLM anchor, same H200 kind, not side by side"
 
-# Check thresholds. The reference is transformers in bf16, so both sides carry bf16 rounding. On the Llama-3.1-8B
-# 4-layer cut (gpu_bench.py correctness, std 0.05, logits ~3 wide) bf16-vs-fp32 gave max 0.40, mean 0.10, top-1
-# agreement 0.87; this checkpoint's logits are ~1.4 wide (std 0.02 x sqrt(5120)), so its noise is about half
-# that, times sqrt(2) for two rounded sides: max ~0.3, mean ~0.07. A wrong model scores the chosen token at a
-# typical logit instead of the top one, ~5 nats apart, and agrees on ~no position: the variants printed beside
-# (a conv that ignores its state, a dropped decay bias, a fixed write gate) show what a bug looks like here.
-MAX_ABS = 0.75  # max |d logprob| of the chosen tokens, nats
+# Check thresholds, from transformers on this 4-layer cut (vocabulary cut to 4,096, CPU, 200 positions, the same
+# bf16 weights): its bf16 forward against its fp32 one differs by max 0.095, mean 0.029 nats at the top token and
+# agrees on 95 % of the argmaxes (logits ~1.5 wide). Ours against transformers has bf16 rounding on both sides,
+# about sqrt(2) of that: max ~0.14, mean ~0.04. The bug variants the check prints beside, measured there in fp32:
+# a conv that ignores its state max 9.3 / mean 5.4 / agreement 0.01; decay without dt_bias 4.4 / 0.81 / 0.32; the
+# write gate fixed at 0.5 5.6 / 2.1 / 0.06. The limits sit ~3-4x above the noise and >= 5x below the mildest bug.
+MAX_ABS = 0.5  # max |d logprob| of the chosen tokens, nats
 MEAN_ABS = 0.15  # mean |d logprob|
-MIN_AGREE = 0.6  # transformers' argmax equal to our greedy token, share of positions (near-ties flip a few)
+MIN_AGREE = 0.8  # transformers' argmax equal to our greedy token, share of positions (near-ties flip a few)
 
 # Engines start with no compile workers unless --compile-workers says otherwise: a worker's "two-layer twin"
 # (worker/executor/startup/compile_workers.py) cuts num_hidden_layers but not layer_types, so on this model it
