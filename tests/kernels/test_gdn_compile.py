@@ -15,6 +15,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from pagefleet.kernels import causal_conv1d as conv  # noqa: E402
 from pagefleet.kernels import gdn_chunk as chunk  # noqa: E402
+from pagefleet.kernels import gdn_norm as norm  # noqa: E402
 from pagefleet.kernels import gdn_recurrent as rec  # noqa: E402
 
 HK, HV, DK, DV, KW = 16, 48, 128, 128, 4
@@ -53,7 +54,10 @@ def test_decode_kernels_fit_and_do_not_spill(tmp_path):
     decode_conv = compile_sm90(conv._conv_decode_kernel, {"x_ptr": BF16, "w_ptr": BF16, "state_ptr": BF16,
                                                           "slots_ptr": I32, "y_ptr": BF16},
                                {"K": KW, "BLOCK_C": conv.DECODE_BLOCK_C})
-    for k in (recurrent, decode_conv):
+    gated_norm = compile_sm90(norm._gated_rms_norm_kernel, {"x_ptr": BF16, "z_ptr": BF16, "w_ptr": BF16,
+                                                            "out_ptr": BF16, "eps": "fp32"},
+                              {"N": DV, "BLOCK": DV, "ROWS": norm.ROWS, "ROUND_WEIGHTED": True})
+    for k in (recurrent, decode_conv, gated_norm):
         assert k.asm["cubin"] and k.metadata.shared <= SHARED_MAX and spill_bytes(k, tmp_path) == 0
 
 

@@ -156,3 +156,14 @@ def test_prefill_kernels_replay_from_a_graph():
         graph.replay()
         assert torch.equal(out, expected)
         assert torch.equal(conv_state, conv_eager) and torch.equal(ssm_state, ssm_eager)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gated_rms_norm_at_27b_shape(dtype):
+    """The output norm over a 4k-token prefill's rows, z a strided view of the in-projection."""
+    from pagefleet.kernels import gdn_norm
+
+    x = torch.randn(4096, HV, DV, device="cuda").to(dtype)
+    z = torch.randn(4096, CONV + HV * DV, device="cuda").to(dtype)[:, CONV:].view(4096, HV, DV)
+    w = (torch.randn(DV, device="cuda") * 0.3 + 1).to(dtype)
+    assert rel_err(gdn_norm.gated_rms_norm(x, z, w), ref.gated_rms_norm(x, z, w)) < TOL[dtype]

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
 if os.environ.get("TRITON_INTERPRET") == "1":
     pytest.importorskip("triton")
     TK = {name: importlib.import_module(f"pagefleet.kernels.{name}")
-          for name in ("causal_conv1d", "gdn_chunk", "gdn_recurrent")}
+          for name in ("causal_conv1d", "gdn_chunk", "gdn_norm", "gdn_recurrent")}
 
 HK, HV, DK, DV, KW = 2, 4, 16, 32, 4  # two value heads per q/k head, as Qwen3.6-27B has three
 CONV = 2 * HK * DK + HV * DV
@@ -139,3 +139,17 @@ def test_chunk_then_recurrent_equals_recurrent_only():
                                                           state, slots)
     close(torch.cat([o, last]), torch.cat(outs), torch.float32)
     close(state, stepped, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("weight_dtype", ["model", torch.float32])  # rounded after the weight, or not
+def test_gated_rms_norm(dtype, weight_dtype):
+    """Rows of 5 tokens x 4 heads, z a strided view of a wider projection: as the reference, rounding included."""
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(5, HV, DV, generator=gen).to(dtype)
+    z = torch.randn(5, HV * DV + 8, generator=gen).to(dtype)[:, 8:].view(5, HV, DV)
+    w = (torch.randn(DV, generator=gen) * 0.3 + 1).to(dtype if weight_dtype == "model" else weight_dtype)
+    out = TK["gdn_norm"].gated_rms_norm(x, z, w, 1e-6)
+    expected = ref.gated_rms_norm(x, z, w, 1e-6)
+    assert out.dtype == expected.dtype == dtype
+    close(out, expected, dtype)

@@ -26,8 +26,8 @@ def use_triton(enabled: bool) -> None:
         _triton = None
         return
     # imported here, not at the top: the Triton modules import triton, which CPU-only processes skip
-    names = ("activation", "arrivals", "attention", "causal_conv1d", "fp8", "gdn_chunk", "gdn_recurrent", "gemv",
-             "greedy", "kv_cache", "norm", "prefill_attention", "rope")
+    names = ("activation", "arrivals", "attention", "causal_conv1d", "fp8", "gdn_chunk", "gdn_norm", "gdn_recurrent",
+             "gemv", "greedy", "kv_cache", "norm", "prefill_attention", "rope")
     _triton = {name: importlib.import_module(f"pagefleet.kernels.{name}") for name in names}
 
 
@@ -245,4 +245,4 @@ def recurrent_gated_delta_rule(q, k, v, a, b, A_log, dt_bias, ssm_state, state_s
 
 
 def gated_rms_norm(x, z, weight, eps):
-    return gdn_ref.gated_rms_norm(x, z, weight, eps)
+    return (_triton["gdn_norm"] if _triton and x.is_cuda else gdn_ref).gated_rms_norm(x, z, weight, eps)
