@@ -66,7 +66,9 @@ class GatedDeltaNet(nn.Module):
         if nd < T:
             cu = meta.cu_seqlens_q if nd == 0 else meta.prefill_cu_seqlens_q
             parts.append((slice(nd, T), slots[nd:], cu))
-        core = torch.zeros(T, self.num_v_heads, self.head_v_dim, dtype=x.dtype, device=x.device)
+        # one part (a pure decode or prompt step) is the whole output; a mixed step writes its two parts into one
+        core = None if len(parts) == 1 else torch.empty(T, self.num_v_heads, self.head_v_dim, dtype=x.dtype,
+                                                        device=x.device)
         for rows, part_slots, cu in parts:
             qkv = ops.causal_conv1d(mixed[rows], self.conv_weight, conv_state, part_slots, cu)
             q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
@@ -75,11 +77,15 @@ class GatedDeltaNet(nn.Module):
             k = k.view(n, self.num_k_heads, self.head_k_dim)
             v = v.view(n, self.num_v_heads, self.head_v_dim)
             if cu is None:
-                core[rows] = ops.recurrent_gated_delta_rule(q, k, v, a[rows], b[rows], self.A_log, self.dt_bias,
-                                                            ssm_state, part_slots)
+                o = ops.recurrent_gated_delta_rule(q, k, v, a[rows], b[rows], self.A_log, self.dt_bias, ssm_state,
+                                                   part_slots)
             else:
-                core[rows] = ops.chunk_gated_delta_rule(q, k, v, a[rows], b[rows], self.A_log, self.dt_bias,
-                                                        ssm_state, part_slots, cu)
+                o = ops.chunk_gated_delta_rule(q, k, v, a[rows], b[rows], self.A_log, self.dt_bias, ssm_state,
+                                               part_slots, cu)
+            if core is None:
+                core = o
+            else:
+                core[rows] = o
         out = self.norm(core, z.view(T, self.num_v_heads, self.head_v_dim))
         return self.out_proj(out.view(T, self.value_dim))
 
