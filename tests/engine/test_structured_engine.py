@@ -80,6 +80,30 @@ def test_regex_choice_and_grammar_hold(llm, temperature, seed, n):
         assert c.finish_reason == "stop" and re.fullmatch(r"[1-9][0-9]? (apples|pears)", c.text), c.text
 
 
+def test_structural_tag_holds(llm):
+    inner = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"],
+             "additionalProperties": False}
+    tag = {"type": "structural_tag", "format": {"type": "tag", "begin": "<call>", "end": "</call>",
+                                                "content": {"type": "json_schema", "json_schema": inner}}}
+    for c in generate(llm, Structured(structural_tag=tag), max_tokens=60):
+        assert c.finish_reason == "stop", c.text
+        body = re.fullmatch(r"<call>(.*)</call>", c.text, re.S)
+        assert body, c.text
+        jsonschema.validate(json.loads(body.group(1)), inner)
+
+
+def test_logprobs_are_of_the_model_not_of_the_mask(llm):
+    """A constrained row reports the model's own logprobs (vLLM's raw logprobs): its first token's top list is
+    the unconstrained request's, finite, whatever the mask allowed."""
+    free = generate(llm, None, max_tokens=1, logprobs=5)
+    masked = generate(llm, Structured(choice=["yes", "no"]), max_tokens=5, logprobs=5)
+    for f, m in zip(free, masked, strict=True):
+        assert [t for t, _ in m.logprobs[0].top] == [t for t, _ in f.logprobs[0].top]
+        assert [v for _, v in m.logprobs[0].top] == pytest.approx([v for _, v in f.logprobs[0].top], abs=1e-4)
+        chosen = m.logprobs[0]
+        assert chosen.token_id in m.token_ids[:1] and chosen.logprob < 0 and chosen.logprob > float("-inf")
+
+
 def test_max_tokens_truncates_with_length_and_stop_strings_end_early(llm):
     structured = Structured(json=SCHEMA)
     full = generate(llm, structured)
@@ -198,3 +222,65 @@ def test_abort_frees_the_matcher_and_a_failed_compile_ends_the_request(llm):
     assert structured.live == 0
     (out,) = llm.generate([prompt], params)  # a failed compile is not cached: the next request compiles again
     assert out.outputs[0].finish_reason == "stop" and re.fullmatch(r"[0-9]{2,3}x", out.outputs[0].text)
+
+
+def test_grammar_rows_overlap_and_give_the_synchronous_tokens(smollm2_path, llm):
+    """Steps with grammar rows overlap: each reads the previous step's tokens after launching its forward and
+    before filling its bitmask. Their outputs equal the synchronous engine's, greedy and seeded, token for token."""
+    sync = LLM(str(smollm2_path), max_model_len=512, async_scheduling=False)
+    engine = llm.engine
+    overlapped = []
+    real_launch = engine._launch
+
+    def launch(batch, prev, overlap):
+        if overlap and prev is not None and any(s.grammar is not None for s in batch.seqs):
+            overlapped.append(len(batch.seqs))
+        return real_launch(batch, prev, overlap)
+
+    engine._launch = launch
+    try:
+        params = [SamplingParams(temperature=t, seed=i, max_tokens=80, structured=s)
+                  for i, (t, s) in enumerate([(0.0, Structured(json=SCHEMA)), (1.0, Structured(json=SCHEMA)),
+                                              (1.0, Structured(regex=r"[a-z]+( [a-z]+){0,6}")), (0.0, None)])]
+        prompts = PROMPTS + PROMPTS
+        got = llm.generate(prompts, params)
+    finally:
+        engine._launch = real_launch
+    assert len(overlapped) > 10, "steps with grammar rows were meant to overlap"
+    want = sync.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    for out in got[:2]:
+        jsonschema.validate(json.loads(out.outputs[0].text), SCHEMA)
+
+
+async def test_async_engine_streams_constrained_outputs(smollm2_path):
+    import asyncio
+
+    from pagefleet.worker.core.config import EngineConfig
+    from pagefleet.worker.engine.async_engine import AsyncLLMEngine
+
+    engine = AsyncLLMEngine(EngineConfig(model=str(smollm2_path), max_model_len=512))
+    try:
+        prompt = engine.tokenizer(PROMPTS[0]).input_ids
+
+        async def final(params, request_id):
+            last, seen = None, []
+            async for out in engine.generate(prompt, params, request_id):
+                seen.append(out.outputs[0].text)
+                last = out
+            assert all(b.startswith(a) for a, b in zip(seen, seen[1:], strict=False))  # streamed text only grows
+            return last
+
+        with pytest.raises(ValueError) as e:
+            await final(SamplingParams(structured=Structured(json={"type": "nonsense"})), "bad")
+        assert e.value.param == "structured_outputs.json"
+        outs = await asyncio.gather(
+            final(SamplingParams(temperature=0.0, max_tokens=100, structured=Structured(json=SCHEMA)), "json"),
+            final(SamplingParams(temperature=1.0, seed=5, max_tokens=20, structured=Structured(choice=["up", "down"])),
+                  "choice"),
+            final(SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), "plain"))
+        jsonschema.validate(json.loads(outs[0].outputs[0].text), SCHEMA)
+        assert outs[1].outputs[0].text in ("up", "down") and outs[1].outputs[0].finish_reason == "stop"
+        assert len(outs[2].outputs[0].token_ids) == 12
+    finally:
+        engine.shutdown()

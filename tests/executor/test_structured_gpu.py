@@ -141,10 +141,13 @@ def run_steps(llm, params, counts):
 
 
 @needs_cuda
-def test_graphed_decode_with_a_grammar_matches_eager_and_syncs_as_today(smollm2_path, monkeypatch):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_graphed_decode_with_a_grammar_matches_eager_and_syncs_as_today(smollm2_path, monkeypatch, async_scheduling):
+    """Synchronous steps and overlapped ones (a grammar step reads the previous step's tokens inside its launch,
+    in place of the read after it) wait on the device once per step, as the same steps without a grammar do."""
     structured = Structured(json=SCHEMA)
     params = SamplingParams(temperature=0.0, max_tokens=64, structured=structured)
-    graphed = LLM(str(smollm2_path), max_model_len=512, gpu_memory_fraction=0.3, async_scheduling=False)
+    graphed = LLM(str(smollm2_path), max_model_len=512, gpu_memory_fraction=0.3, async_scheduling=async_scheduling)
     assert graphed.engine.runner.graphs is not None
     replays = []
     real_replay = graphed.engine.runner.cuda_graphs.replay
@@ -159,7 +162,7 @@ def test_graphed_decode_with_a_grammar_matches_eager_and_syncs_as_today(smollm2_
     plain, plain_waits = run_steps(graphed, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True), counts)
     constrained, waits = run_steps(graphed, params, counts)
     assert sum(replays) > 10, "the decode steps were meant to replay CUDA graphs"
-    assert max(waits) <= max(plain_waits) == 1, (waits, plain_waits)  # the one read of each step's tokens
+    assert 1 <= max(plain_waits) and max(waits) <= max(plain_waits), (waits, plain_waits)  # a step's token read
     monkeypatch.undo()
     del graphed
     torch.cuda.empty_cache()

@@ -5,7 +5,9 @@ Every step launches; the launched step is resolved at once (depth 0: tokens and 
 (depth 1: `runner.sample_async`), after that step is already running on the device. A token still on the
 device stands in its sequence as PLACEHOLDER; the next step's decodes read it from the device, and
 resolving puts the real id in. Overlapped, the host's scheduling and bookkeeping hide behind the forward
-and outputs lag one step. A mixin of LLMEngine (llm_engine.py): it uses the engine's runner, scheduler,
+and outputs lag one step. A step that samples rows with a grammar (structured outputs) overlaps too: after
+queuing its forward it reads the previous step's tokens, which its matchers accept, and fills its bitmask while
+the forward runs. A mixin of LLMEngine (llm_engine.py): it uses the engine's runner, scheduler,
 block manager, requests and counters, and its `_outputs`.
 """
 
@@ -47,6 +49,7 @@ class EngineStep:
     """LLMEngine's step: `step` and the bookkeeping every launched step shares."""
 
     pending: PendingStep | None  # an overlapped step not yet read back
+    _resolved_early: dict | None = None  # the previous step, resolved inside this one's launch (grammar rows)
 
     def step(self) -> list[RequestOutput]:
         """Schedule, launch, resolve. Steps overlap when nothing in them needs the host to see a token first:
@@ -69,6 +72,9 @@ class EngineStep:
         if overlap:
             self.pending = launched
             self._record(batch, num_prefill, num_decode, start)
+            early, self._resolved_early = self._resolved_early, None
+            if early is not None:  # read at launch, for the grammars' bitmask
+                return self._outputs(early)
             return self._outputs(self._resolve(prev)) if prev is not None else []
         touched = self._resolve(launched) if launched is not None else {}
         self._record(batch, num_prefill, num_decode, start)  # a synchronous step's time includes its tokens
@@ -78,14 +84,10 @@ class EngineStep:
         """True unless a sequence that samples in this step has samples to fork (the forks split off on the
         host before sampling) or the step preempts (its victim may hold a pending token). Penalties count
         tokens on the device and logprobs come back with the tokens, so neither needs a synchronous step;
-        prompt chunks that sample nothing never stand in the way. A sequence with a grammar that samples needs
-        the host to see its previous token (its matcher fills the bitmask from it): such a step is synchronous."""
+        prompt chunks that sample nothing never stand in the way. Grammar rows overlap too: their step reads
+        the previous one's tokens after its forward is launched and before it samples (_launch)."""
         if batch.preempted:
             return False
-        if self.structured is not None and self.structured.live:
-            return not any((seq.pending_forks or seq.grammar is not None)
-                           and seq.num_computed_tokens + n >= seq.num_tokens
-                           for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True))
         return not any(seq.pending_forks and seq.num_computed_tokens + n >= seq.num_tokens
                        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True))
 
@@ -139,6 +141,16 @@ class EngineStep:
                 logits = logits[rows]
             tokens, logprobs = self.runner.sample(logits, sampling)
             return PendingStep(sampling, tokens, logprobs), num_prefill, num_decode
+        if (prev is not None and self.structured is not None and self.structured.live
+                and any(seq.grammar is not None for seq in sampling)):
+            # The matchers need the previous step's tokens before this step's bitmask: read them now, with this
+            # step's forward already queued behind them, so the device keeps running while the host fills it.
+            self._resolved_early = self._resolve(prev, relaunched=set())
+            if any(seq.is_finished for seq in sampling):  # ended by the token just read: nothing to sample
+                keep = [i for i, seq in enumerate(sampling) if not seq.is_finished]
+                if not keep:
+                    return None, num_prefill, num_decode
+                sampling, logits = [sampling[i] for i in keep], logits[keep]
         tokens = self.runner.sample_async(logits, sampling)
         for seq in sampling:
             seq.token_ids.append(PLACEHOLDER)  # the real id arrives when this step is resolved
@@ -187,15 +199,18 @@ class EngineStep:
             parent.pending_forks = 0
         return forked, rows
 
-    def _resolve(self, step: PendingStep) -> dict[str, Request]:
-        """Put a launched step's tokens into its sequences and check their finish rules; the requests touched."""
+    def _resolve(self, step: PendingStep, relaunched: set[int] | None = None) -> dict[str, Request]:
+        """Put a launched step's tokens into its sequences and check their finish rules; the requests touched.
+        relaunched: the sequences a later step is already running over this step's token (default: the pending
+        step's)."""
         touched: dict[str, Request] = {}
         if step.logprobs is not None:  # read back at launch: nothing ran since
             for seq, token, logprob in zip(step.seqs, step.tokens, step.logprobs, strict=True):
                 touched[seq.request_id] = self.requests[seq.request_id]
                 self._append_token(seq, token, logprob)
             return touched
-        relaunched = self.pending.seq_ids if self.pending is not None else set()
+        if relaunched is None:
+            relaunched = self.pending.seq_ids if self.pending is not None else set()
         tokens = step.tokens.read()
         for seq, token, logprob in zip(step.seqs, tokens, step.tokens.logprobs(), strict=True):
             if seq.is_finished:  # finished (or aborted) while this step ran: its token is dropped

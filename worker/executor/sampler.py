@@ -126,10 +126,13 @@ class Sampler:
     def sample_step(self, logits: torch.Tensor, seqs: list[Sequence]) -> Sampled:
         R, V = logits.shape
         mask = self.grammar_bitmask(seqs) if self.grammar_bitmask is not None else None
+        lp_rows = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+        raw = logits  # the logprobs are of the model's logits, the grammar's mask not applied
         if mask is not None:
             mask_rows, bitmask = self._upload_bitmask(*mask)
+            if lp_rows:
+                raw = logits.clone()
             allowed = apply_token_bitmask(logits, mask_rows, bitmask)
-        lp_rows = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
         lp_counts = [seqs[i].params.logprobs for i in lp_rows]
         rows = self.state.rows(seqs, V, self.eos_token_ids)
         processed = self.state.processed(seqs, rows)
@@ -148,7 +151,7 @@ class Sampler:
                 keep_allowed(tokens, x, mask_rows, allowed)
         if len(processed):
             self._count(params, processed_d.long(), tokens)
-        return self._with_logprobs(Sampled(tokens, lp_rows, lp_counts), logits, lp_rows_d)
+        return self._with_logprobs(Sampled(tokens, lp_rows, lp_counts), raw, lp_rows_d)
 
     def _upload(self, rows: np.ndarray, *indices: np.ndarray) -> list[torch.Tensor]:
         """The records [R, ROW] and each index array in one pinned host-to-device copy; each piece 16-byte
