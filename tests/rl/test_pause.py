@@ -310,6 +310,26 @@ async def test_async_wait_drains_and_an_update_meanwhile_is_refused(async_engine
     assert late_out.outputs[0].token_ids == refs["new"][0] and late_out.weight_versions == [1]
 
 
+async def test_async_wait_holds_what_has_not_started(checkpoints, refs):
+    """A request queued behind the batch with nothing computed is not drained under the old weights: it waits
+    for resume and runs under the new ones, as offline."""
+    old, new = checkpoints
+    engine = AsyncLLMEngine(EngineConfig(model=str(old), **{**ENGINE_ARGS, "max_num_seqs": 1}))
+    try:
+        seen: list = [[], []]
+        tasks = [asyncio.create_task(_stream(engine, p, f"a{i}", seen[i])) for i, p in enumerate(PROMPTS)]
+        await _until(lambda: _tokens(seen[0]) >= 1)
+        await asyncio.wait_for(engine.pause("wait"), 60)
+        first = await asyncio.wait_for(tasks[0], 1)
+        assert first.outputs[0].token_ids == refs["old"][0] and not seen[1] and not tasks[1].done()
+        assert await engine.update_weights_from_disk(str(new)) == 1
+        await engine.resume()
+        queued = await asyncio.wait_for(tasks[1], 60)
+        assert queued.outputs[0].token_ids == refs["new"][1] and queued.weight_versions == [1]
+    finally:
+        engine.shutdown()
+
+
 # ---- over HTTP: a real `pagefleet serve --enable-rl-endpoints` on the tiny checkpoint
 
 

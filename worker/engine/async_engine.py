@@ -138,13 +138,6 @@ class AsyncLLMEngine:
 
     def _pause_drained(self) -> None:
         drains, self._drains = self._drains, []
-        try:
-            self.engine.pause("wait")  # nothing is in flight any more: the engine only marks itself paused
-        except Exception as e:
-            for done in drains:
-                done.set_exception(e)
-            self._release_held()
-            return
         self._paused = True
         for done in drains:
             done.set_result(None)
@@ -271,11 +264,13 @@ class AsyncLLMEngine:
 
     async def pause(self, mode: str = "abort") -> None:
         """abort: in-flight requests end now (finish reason "abort"); wait: returns once they have finished;
-        keep: they stay, unstepped, and continue on resume. New requests wait for resume in every mode."""
+        keep: they stay, unstepped, and continue on resume. New requests, and those queued with nothing computed,
+        wait for resume in every mode."""
         def run():
             if self._paused or self._drains:
                 raise ValueError("the engine is paused already; resume it first")
-            if mode == "wait":
+            if mode == "wait":  # the engine holds what has not started; this loop steps the rest to their end
+                self._ending(lambda: self.engine.pause(mode, drain=False))
                 self._drains.append(done)
                 return _LATER  # resolved by the loop once nothing is in flight
             self._ending(lambda: self.engine.pause(mode))

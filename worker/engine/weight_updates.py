@@ -30,9 +30,10 @@ class WeightUpdates(EngineStep):
     def is_paused(self) -> bool:
         return self.paused is not None
 
-    def pause(self, mode: str = "abort") -> list[RequestOutput]:
-        """Stop admitting requests (those that arrive wait for resume), then: abort: every request ends now,
-        finish reason "abort"; wait: the requests that have started run to their end (stepped here);
+    def pause(self, mode: str = "abort", drain: bool = True) -> list[RequestOutput]:
+        """Stop admitting requests (those that arrive, and those queued with nothing computed, wait for resume),
+        then: abort: every request ends now, finish reason "abort"; wait: the requests that have started run to
+        their end (stepped here, or by the caller's own step loop with drain=False, until in_flight() is 0);
         keep: they stay, with their KV cache, unstepped until resume. Returns the outputs this produced."""
         if mode not in PAUSE_MODES:
             raise ValueError(f"pause mode {mode!r}: one of {', '.join(PAUSE_MODES)}")
@@ -50,7 +51,7 @@ class WeightUpdates(EngineStep):
                 self.abort_request(request_id)
                 outputs.append(self.make_output(request, True))
             self.held = []
-        elif mode == "wait":
+        elif mode == "wait" and drain:
             while self.in_flight():
                 outputs += super().step()
         return outputs
