@@ -52,6 +52,7 @@ VISION_TINY = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, o
 # vLLM 0.26 on this checkpoint, same H200 kind, 2026-12-01 (ANCHORS.md); None: no anchor figure for that row
 VLLM = {"init_s": 231.0, "batch1": 63.6, "mixed256": 2647.5, "mixed256_t1": None, "grpo": None}
 ANCHOR_LABEL = "vLLM anchor, same H200 kind, not side by side"
+COPY_BYTES_PER_S = 4.27e12  # H200 device-to-device copy (ANCHORS.md), its batch-1 floor: weight bytes / this
 
 # Check thresholds, from transformers on this 4-layer cut (vocabulary cut to 4,096, CPU, 200 positions, the same
 # bf16 weights): its bf16 forward against its fp32 one differs by max 0.095, mean 0.029 nats at the top token and
@@ -329,6 +330,7 @@ def engine_picks(llm, init_s: float) -> dict:
              "kv_tokens": r.kv.num_blocks * c.block_size, "prefix_caching": c.enable_prefix_caching,
              "compile_workers": c.compile_workers, "init_s": round(init_s, 1),
              "init_split_s": {k: round(v, 1) for k, v in r.start_seconds.items()}}
+    picks["weight_bytes"] = sum(p.numel() * p.element_size() for p in r.model.parameters())
     if r.state is not None:
         picks.update(state_slots=r.state.num_slots, snapshot_slots=r.state.num_snapshots,
                      state_gib=round(r.state.nbytes / 2**30, 2))
@@ -405,6 +407,11 @@ def run(folder: str, out_dir: str, tiny: bool = False, grpo_prompts: int = 16, o
     n_warm, warm_in, warm_out = w.warm
     go([(warm_in, warm_out)] * n_warm)  # untimed, as the anchor's: first-touch memory and kernels
     figure("batch1", f"batch 1, {w.batch1[0]} in / {w.batch1[1]} out, greedy", lambda: go([w.batch1]))
+    if "batch1" in results["figures"]:  # each decode step reads every weight once: ANCHORS.md's copy rate bounds it
+        bound = COPY_BYTES_PER_S / picks["weight_bytes"]
+        results["figures"]["batch1"]["weights_bound_tok_per_s"] = round(bound, 1)
+        log(f"batch 1 bound by the weights alone: {bound:.1f} tok/s ({picks['weight_bytes'] / 1e9:.2f} GB read per "
+            f"step at {COPY_BYTES_PER_S / 1e12:.2f} TB/s; ANCHORS.md: ~79 for this shape)")
     n_mixed, seed, in_range, out_range = w.mixed
     random.seed(seed)
     mixed = [(random.randint(*in_range), random.randint(*out_range)) for _ in range(n_mixed)]
@@ -428,6 +435,9 @@ def table(results: dict) -> None:
         a = f"{r['vllm_anchor']:,.1f}" if r["vllm_anchor"] else "-"
         ratio = f"{r['ratio']:.2f}x" if r["ratio"] else "-"
         lines.append(f"{r['label']:<58} {r['output_tok_per_s']:>12,.1f} {a:>12} {ratio:>7}")
+    if "weights_bound_tok_per_s" in results["figures"].get("batch1", {}):
+        lines.append(f"{'batch 1 ceiling: weight bytes / 4.27 TB/s (ANCHORS.md: ~79)':<58} "
+                     f"{results['figures']['batch1']['weights_bound_tok_per_s']:>12,.1f}")
     lines.append(f"{'engine init, s':<58} {e['init_s']:>12} {VLLM['init_s']:>12}")
     lines.append(f"engine init split, s: {json.dumps(e['init_split_s'])} (vLLM: weights 13, torch.compile 65, "
                  f"profiling and warm-up 103, graphs 11)")

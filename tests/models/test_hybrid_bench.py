@@ -54,6 +54,8 @@ def test_make_check_and_run_on_a_tiny_config(tmp_path):
     figures = results["figures"]
     assert list(figures) == ["batch1", "mixed256", "mixed256_t1", "grpo"]
     assert figures["batch1"]["output_tokens"] == 8
+    assert figures["batch1"]["weights_bound_tok_per_s"] == pytest.approx(4.27e12 / results["engine"]["weight_bytes"],
+                                                                          rel=1e-2)
     assert figures["mixed256"]["requests"] == 8 and figures["mixed256"]["output_tokens"] == sum(
         o for _, o in results["workloads_drawn"]["mixed"])
     assert figures["mixed256_t1"]["output_tokens"] == figures["mixed256"]["output_tokens"]
@@ -67,3 +69,4 @@ def test_make_check_and_run_on_a_tiny_config(tmp_path):
     table = done.stdout[done.stdout.index("workload "):]
     assert "vLLM anchor, same H200 kind, not side by side" in done.stdout
     assert "GRPO 2 prompts x n=4" in table and "engine init" in table and "state slots" in table
+    assert "batch 1 ceiling" in table
