@@ -41,6 +41,18 @@ def test_compiling_request_waits_aside_and_keeps_its_place():
     batch = sched.schedule()
     assert batch.seqs == [a, d] and not sched.waiting  # ready now: first in line again
 
+def test_a_failed_compile_leaves_the_queue_for_the_engine_to_end():
+    sched = Scheduler(BlockManager(64, 4, False), max_num_seqs=8, max_num_batched_tokens=64)
+    grammar = Compiling()
+    grammar.ready, grammar.error = True, "out of memory"
+    a, b = seq("a", grammar), seq("b")
+    sched.add(a)
+    sched.add(b)
+    batch = sched.schedule()
+    assert batch.failed == [a] and batch.seqs == [b] and not sched.waiting
+    assert not a.block_table  # it never took a block
+
+
 def test_fork_gives_each_sample_its_own_grammar_state():
     class State:
         def fork(self):
