@@ -330,6 +330,39 @@ async def test_async_wait_holds_what_has_not_started(checkpoints, refs):
         engine.shutdown()
 
 
+@pytest.mark.parametrize("level", [1, 2])
+async def test_async_trainer_cycle_pause_sleep_wake_update_resume(checkpoints, refs, level):
+    """A colocated trainer's step: pause (abort), sleep, (train), wake, push the new weights, resume. A request
+    that arrives meanwhile waits for all of it and is served by the new weights; after a level-2 sleep the engine
+    serves nothing until the update."""
+    old, new = checkpoints
+    engine = AsyncLLMEngine(EngineConfig(model=str(old), enable_sleep_mode=True, **ENGINE_ARGS))
+    try:
+        seen: list = []
+        running = asyncio.create_task(_stream(engine, PROMPTS[1], "r", seen))
+        await _until(lambda: _tokens(seen) >= 1)
+        await engine.pause("abort")
+        assert (await asyncio.wait_for(running, 30)).outputs[0].finish_reason == "abort"
+        late_seen: list = []
+        late = asyncio.create_task(_stream(engine, PROMPTS[0], "late", late_seen))
+        await engine.sleep(level)
+        assert engine.is_sleeping
+        await engine.wake_up()
+        assert not engine.is_sleeping
+        if level == 2:  # the weights are gone: nothing is served from them
+            with pytest.raises(ValueError, match="dropped by sleep"):
+                async for _ in engine.generate(PROMPTS[0], PARAMS, "too-early"):
+                    pass
+        await asyncio.sleep(0.2)
+        assert not late.done() and not late_seen
+        assert await engine.update_weights_from_disk(str(new)) == 1
+        await engine.resume()
+        out = await asyncio.wait_for(late, 60)
+        assert out.outputs[0].token_ids == refs["new"][0] and out.weight_versions == [1]
+    finally:
+        engine.shutdown()
+
+
 # ---- over HTTP: a real `pagefleet serve --enable-rl-endpoints` on the tiny checkpoint
 
 
