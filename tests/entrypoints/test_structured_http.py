@@ -249,6 +249,28 @@ def test_streamed_and_whole_tool_calls_agree(client, choice):
         assert len({c["id"] for c in calls}) == len(calls)
 
 
+class Lookup(BaseModel):
+    word: Word
+    lang: Literal["en", "fr", "de"]
+
+
+def test_the_sdks_stream_helper_parses_streamed_output_and_calls(client):
+    """openai's own stream accumulator reads our deltas: a pydantic response_format, and a strict pydantic tool."""
+    import openai
+
+    messages = [{"role": "user", "content": "Describe Hiro in Tokyo as JSON."}]
+    with client.chat.completions.stream(model="smol", messages=messages, response_format=Person, max_tokens=120,
+                                        temperature=0) as stream:
+        final = stream.get_final_completion()
+    assert isinstance(final.choices[0].message.parsed, Person)
+    with client.chat.completions.stream(model="smol", messages=[{"role": "user", "content": "Look up 'chat'."}],
+                                        tools=[openai.pydantic_function_tool(Lookup)], tool_choice="required",
+                                        parallel_tool_calls=False, max_tokens=60, temperature=0) as stream:
+        final = stream.get_final_completion()
+    (call,) = final.choices[0].message.tool_calls
+    assert final.choices[0].finish_reason == "tool_calls" and isinstance(call.function.parsed_arguments, Lookup)
+
+
 def test_auto_parses_a_call_the_model_writes(client):
     # The regex makes the model write a hermes call after some text; "auto" reads it back as a tool call.
     forced = r'Checking\.\n<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "[A-Z][a-z]{2,8}", ' \
