@@ -2,7 +2,7 @@
 
 The form of gdn_reference.chunk_gated_delta_rule_one (chunks of 64 tokens restarting at every sequence start):
   1. per (chunk, value head), in parallel: G = cumsum(g) in the chunk, A = strictly-lower(beta_i k_i.k_j e^(G_i-G_j)),
-     X = (I + A)^-1 by forward substitution, w = X (beta k e^G), u = X (beta v), and the decayed causal
+     X = (I + A)^-1 by blocked forward substitution, w = X (beta k e^G), u = X (beta v), and the decayed causal
      q.k scores of the chunk;
   2. per (sequence, value head, value columns), over its chunks in order: v' = u - w S, o = (q e^G) S + scores v',
      S = e^(G_last) S + (k e^(G_last - G))^T v'; the final S goes back to the slot.
@@ -28,7 +28,7 @@ STATE_WARPS, STATE_STAGES = 8, 1
 def _chunk_prepare_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, cu_ptr, chunk_cu_ptr, chunk_seq_ptr, G_ptr, w_ptr,
                           u_ptr, aq_ptr, n_seqs, stride_qt, stride_qh, stride_vt, stride_vh, Hv, REP: tl.constexpr,
                           DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                          PREC: tl.constexpr):
+                          PREC: tl.constexpr, SB: tl.constexpr = 16):
     c = tl.program_id(0)
     h = tl.program_id(1)
     hk = h // REP
@@ -61,14 +61,25 @@ def _chunk_prepare_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, cu_ptr, chunk_cu
     A = tl.where((ii > jj) & valid, A * tl.exp(tl.where(ii > jj, dG, 0.0)), 0.0)
     Aq = tl.where((ii >= jj) & valid, Aq * tl.exp(tl.where(ii >= jj, dG, 0.0)), 0.0)
     tl.store(aq_ptr + (rows64[:, None] * Hv + h) * BT + jj, Aq, mask=rmask[:, None])
-    # X = (I + A)^-1: M holds X - I row by row; row i = -A_i + sum_{j<i} (-A_ij) (X - I)_j
-    M = -A
-    for i in range(1, BT):
-        sel = r == i
-        row = tl.sum(tl.where(sel[:, None], M, 0.0), 0)
-        row = row + tl.sum(row[:, None] * M, 0)
-        M = tl.where(sel[:, None], row[None, :], M)
-    X = M + tl.where(ii == jj, 1.0, 0.0)
+    # X = (I + A)^-1 in blocks of SB: A = D + L (D its SB x SB diagonal blocks, L strictly block-lower), so
+    # I + A = (I + D)(I + N) with N = (I + D)^-1 L, nilpotent of order BT / SB = 4, and
+    # X = (I - N (I - N (I - N))) (I + D)^-1: blocked forward substitution, in four tensor-core products.
+    # (I + D)^-1 by forward substitution, the four blocks' row r at once: Dm holds (I + D)^-1 - I; a row of
+    # block b is nonzero only in b's columns, so the four rows summed into one vector stay apart.
+    eye = tl.where(ii == jj, 1.0, 0.0)
+    same = (ii // SB) == (jj // SB)
+    Dm = tl.where(same, -A, 0.0)
+    for i in range(1, SB):
+        sel = (r % SB) == i
+        row = tl.sum(tl.where(sel[:, None], Dm, 0.0), 0)
+        row = row + tl.sum(row[:, None] * Dm, 0)
+        Dm = tl.where(sel[:, None] & same, row[None, :], Dm)
+    Dinv = Dm + eye
+    N = tl.dot(Dinv, tl.where(same, 0.0, A), input_precision=PREC)
+    Y = eye - N
+    Y = eye - tl.dot(N, Y, input_precision=PREC)
+    Y = eye - tl.dot(N, Y, input_precision=PREC)
+    X = tl.dot(Y, Dinv, input_precision=PREC)
     for k0 in tl.static_range(0, DK, BK):
         kc = k0 + tl.arange(0, BK)
         m = rmask[:, None] & (kc < DK)[None, :]
