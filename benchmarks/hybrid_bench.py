@@ -60,7 +60,7 @@ COPY_BYTES_PER_S = 4.27e12  # H200 device-to-device copy (ANCHORS.md), its batch
 # about sqrt(2) of that: max ~0.14, mean ~0.04; this check itself on that CPU cut (our bf16 engine, 4 prompts,
 # 68 positions) gave max 0.157, mean 0.043, agreement 0.94. The bug variants the check prints beside, measured
 # there in fp32: a conv that ignores its state max 9.3 / mean 5.4 / agreement 0.01; decay without dt_bias
-# 4.4 / 0.81 / 0.32; the write gate fixed at 0.5 5.6 / 2.1 / 0.06 (against our engine: 8.0 / 4.9 / 0.00,
+# 4.4 / 0.81 / 0.32; the write gate fixed at 0.5 5.6 / 2.1 / 0.06 (in that bf16 check run: 8.0 / 4.9 / 0.00,
 # 2.9 / 0.69 / 0.41, 5.5 / 2.4 / 0.06). The limits sit ~3x above the noise and >= 4x below the mildest bug.
 MAX_ABS = 0.5  # max |d logprob| of the chosen tokens, nats
 MEAN_ABS = 0.15  # mean |d logprob|
