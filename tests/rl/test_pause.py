@@ -345,8 +345,12 @@ async def test_async_trainer_cycle_pause_sleep_wake_update_resume(checkpoints, r
         assert (await asyncio.wait_for(running, 30)).outputs[0].finish_reason == "abort"
         late_seen: list = []
         late = asyncio.create_task(_stream(engine, PROMPTS[0], "late", late_seen))
+        await _until(lambda: engine.load()["waiting"] == 1)  # accepted while paused (asleep, it would be refused)
         await engine.sleep(level)
         assert engine.is_sleeping
+        with pytest.raises(ValueError, match="asleep"):  # one that arrives now is refused (the server's 503)
+            async for _ in engine.generate(PROMPTS[0], PARAMS, "while-asleep"):
+                pass
         await engine.wake_up()
         assert not engine.is_sleeping
         if level == 2:  # the weights are gone: nothing is served from them
