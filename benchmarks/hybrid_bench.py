@@ -66,10 +66,11 @@ MAX_ABS = 0.5  # max |d logprob| of the chosen tokens, nats
 MEAN_ABS = 0.15  # mean |d logprob|
 MIN_AGREE = 0.8  # transformers' argmax equal to our greedy token, share of positions (near-ties flip a few)
 
-# Engines start with no compile workers unless --compile-workers says otherwise: a worker's "two-layer twin"
-# (worker/executor/startup/compile_workers.py) cuts num_hidden_layers but not layer_types, so on this model it
-# builds all 64 layers (~54 GB of random weights) and 48 layers of state for 1,280 slots, per worker, beside the
-# engine loading its own 54 GB.
+# Engines start with no compile workers unless --compile-workers says otherwise. A worker's twin of this model
+# (worker/executor/startup/compile_workers.py) is all 64 layers unless layer_types is cut with num_hidden_layers;
+# cut to two layers it is still ~6.6 GB of weights (the 248k vocabulary twice) plus 1,280 one-layer state slots (4 GB)
+# plus its warm-up steps, times up to 6 workers, while the engine holds its 54 GB and allocates its ~36 GB of
+# state slots before it waits for them (bringup.py): more than the card. Serial compiles cost start-up seconds only.
 COMPILE_WORKERS = 0
 
 
