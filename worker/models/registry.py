@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 # architecture name in config.json -> (module, class)
 _REGISTRY = {
@@ -46,6 +46,17 @@ class ModelConfig:
     linear_conv_kernel_dim: int = 0
     partial_rotary_factor: float = 1.0  # RoPE rotates the first head_dim * factor dims of each head
     attn_output_gate: bool = False  # q_proj also gives a sigmoid gate on the attention output
+
+    def twin(self, num_layers: int = 2) -> ModelConfig:
+        """The same model cut to `num_layers` layers, for the compile workers' twin. A hybrid keeps one layer
+        of each mixer it has (its first DeltaNet layer, then its first full-attention layer), so the twin
+        compiles both mixers' kernels and holds one layer's recurrent state per slot, not 48."""
+        if self.layer_types is None:
+            return replace(self, num_hidden_layers=min(num_layers, self.num_hidden_layers))
+        kinds = [k for k in ("linear_attention", "full_attention") if k in self.layer_types]
+        if len(kinds) == 1:
+            kinds = kinds * min(num_layers, self.num_hidden_layers)
+        return replace(self, num_hidden_layers=len(kinds), layer_types=kinds)
 
     @classmethod
     def from_dict(cls, raw: dict, generation: dict) -> ModelConfig:

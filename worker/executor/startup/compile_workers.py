@@ -234,7 +234,7 @@ def _work(spec: dict) -> None:
 
     # two layers: the second reads the norm sums a GEMV wrote, the first those of the embeddings (other variants)
     model_config = load_model_config(Path(spec["model"]))
-    model_config = dataclasses.replace(model_config, num_hidden_layers=min(2, model_config.num_hidden_layers))
+    model_config = model_config.twin(2)
     max_model_len = spec["max_model_len"]
     blocks = -(-max_model_len // config.block_size) + 1  # one sequence at full length: the least the runner takes
     config = dataclasses.replace(config, compile_workers=0, num_gpu_blocks_override=blocks)
