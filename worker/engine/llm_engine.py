@@ -117,7 +117,8 @@ class LLMEngine(WeightUpdates):
                 f"(prompt plus at least one generated token must fit)"
             )
         if params.structured is not None:
-            self.structured_outputs().check(params.structured)  # parsed (and cached) here: a bad one is a ValueError
+            # parsed here (a bad one is a ValueError) and compiling from now on, cached for add_request
+            self.structured_outputs().state(params.structured)
 
     def structured_outputs(self):
         """The grammar compiler, made at the first structured request (callable from any thread); from then on
