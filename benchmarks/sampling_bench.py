@@ -1,18 +1,24 @@
-"""Sampled against greedy decoding offline: the same 64 prompts (512 in / 128 out) under five sampling settings.
+"""Sampled against greedy decoding: the sampling kernel alone, and offline through one engine.
 
-One engine on one GPU, prefix cache reset before each run, each setting run twice and the second run printed
-(the first compiles nothing after start-up, but warms the allocator). What the device-side sampler costs per
-setting, beside greedy: temperature alone, top-p, top-k with top-p, a per-request seed.
-Usage: python3 benchmarks/sampling_bench.py MODEL_DIR (e.g. from make_checkpoint.py llama-3.1-8b DIR)
+--kernel: kernels/sampling.py alone on bf16 logits of the 8B shape's vocabulary (128,256) at batch 1, 16, 64 and
+256, per setting, against greedy's argmax kernel and against the sampling kernel of another commit (--baseline,
+read with `git show`, so the old kernel lives only here): median of CUDA-event-timed launches, in us.
+MODEL_DIR: the same 64 prompts (512 in / 128 out) under five sampling settings, one engine on one GPU, prefix
+cache reset before each run, each setting run twice and the second run printed (the first compiles nothing after
+start-up, but warms the allocator): what the device-side sampler costs per setting beside greedy.
+Usage: python3 benchmarks/sampling_bench.py [MODEL_DIR] [--kernel [--baseline REV]]
+       (MODEL_DIR e.g. from make_checkpoint.py llama-3.1-8b DIR)
 """
 
 from __future__ import annotations
 
 import argparse
 import random
+import subprocess
+import sys
 import time
-
-from pagefleet.worker import LLM, SamplingParams
+import types
+from pathlib import Path
 
 SETTINGS = {
     "greedy": dict(temperature=0),
@@ -21,19 +27,95 @@ SETTINGS = {
     "temperature 0.8, top-p 0.95, top-k 50": dict(temperature=0.8, top_p=0.95, top_k=50),
     "temperature 1, seeded": dict(temperature=1.0, seed=7),
 }
+KERNEL_SETTINGS = {  # temperature, top_k, top_p, min_p
+    "temperature 1": (1.0, 0, 1.0, 0.0),
+    "top-p 0.95": (1.0, 0, 0.95, 0.0),
+    "top-k 50": (1.0, 50, 1.0, 0.0),
+    "t 0.8, top-k 50, top-p 0.95": (0.8, 50, 0.95, 0.0),
+    "min-p 0.05": (1.0, 0, 1.0, 0.05),
+}
+VOCAB = 128256
+ROOT = Path(__file__).resolve().parents[1]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("model", help="checkpoint folder")
-    parser.add_argument("--prompts", type=int, default=64)
-    args = parser.parse_args()
-    if args.prompts < 1:
-        parser.error(f"--prompts must be >= 1, got {args.prompts}")
-    llm = LLM(args.model, max_model_len=2048, max_num_seqs=256, max_num_batched_tokens=8192, gpu_memory_fraction=0.85)
+def baseline_kernel(rev: str):
+    """kernels/sampling.py as of commit `rev` (or the file at path `rev`), loaded as a module beside today's."""
+    if Path(rev).is_file():
+        src, rev = Path(rev).read_text(), "file"
+    else:
+        src = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:kernels/sampling.py"], check=True,
+                             capture_output=True, text=True).stdout
+    path = ROOT / "kernels" / f"_sampling_{rev}.py"  # Triton reads a kernel's source from its file; relative
+    # imports resolve inside the package
+    path.write_text(src)
+    try:
+        module = types.ModuleType(f"pagefleet.kernels._sampling_{rev}")
+        module.__file__, module.__package__ = str(path), "pagefleet.kernels"
+        sys.modules[module.__name__] = module
+        exec(compile(src, str(path), "exec"), module.__dict__)
+    finally:
+        path.unlink()
+    return module
+
+
+def kernel_table(baseline: str | None, scale: float) -> None:
+    import numpy as np
+    import torch
+
+    from pagefleet.kernels import greedy, sampling
+    from pagefleet.kernels import reference as ref
+
+    old = baseline_kernel(baseline) if baseline else None
+
+    def records(n, temperature, top_k, top_p, min_p):
+        rec = np.zeros((n, ref.SAMPLE_FIELDS), dtype=np.int32)
+        f = rec.view(np.float32)
+        f[:, ref.INV_TEMPERATURE], f[:, ref.TOP_P] = 1.0 / temperature, top_p
+        f[:, ref.LOG_MIN_P] = np.log(min_p) if min_p > 0 else -np.inf
+        rec[:, ref.TOP_K], rec[:, ref.SEED_LO] = top_k, np.arange(n)
+        return torch.from_numpy(rec).cuda()
+
+    def time_us(fn, reps=50):
+        for _ in range(3):
+            fn()
+        times = []
+        for _ in range(reps):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) * 1000)
+        return float(np.median(times))
+
+    print(f"sampling kernel alone, bf16 logits N(0, {scale}^2) x {VOCAB:,}, median us per launch"
+          + (f"; old = kernels/sampling.py at {baseline}" if old else ""), flush=True)
+    print(f"{'setting':30s} {'batch':>5s} {'new us':>9s}" + (f" {'old us':>9s} {'old/new':>7s}" if old else "")
+          + f" {'same tokens':>11s}", flush=True)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for batch in (1, 16, 64, 256):
+        logits = (torch.randn(batch, VOCAB, generator=g, device="cuda") * scale).to(torch.bfloat16)
+        us = time_us(lambda logits=logits: greedy.argmax(logits))
+        print(f"{'greedy (argmax kernel)':30s} {batch:5d} {us:9.1f}", flush=True)
+        for name, setting in KERNEL_SETTINGS.items():
+            rec = records(batch, *setting)
+            new = sampling.sample(logits, rec)
+            new_us = time_us(lambda rec=rec, x=logits: sampling.sample(x, rec))
+            line = f"{name:30s} {batch:5d} {new_us:9.1f}"
+            if old:
+                old_us = time_us(lambda rec=rec, x=logits: old.sample(x, rec))
+                same = int((old.sample(logits, rec) == new).sum())
+                line += f" {old_us:9.1f} {old_us / new_us:7.2f} {same:>5d} / {batch:<5d}"
+            print(line, flush=True)
+
+
+def engine_table(model: str, prompts_n: int) -> None:
+    from pagefleet.worker import LLM, SamplingParams
+
+    llm = LLM(model, max_model_len=2048, max_num_seqs=256, max_num_batched_tokens=8192, gpu_memory_fraction=0.85)
     random.seed(0)
-    prompts = [[random.randrange(100, 120000) for _ in range(512)] for _ in range(args.prompts)]
-    greedy = None
+    prompts = [[random.randrange(100, 120000) for _ in range(512)] for _ in range(prompts_n)]
+    greedy_rate = None
     for rep in range(2):
         for name, settings in SETTINGS.items():
             params = SamplingParams(max_tokens=128, ignore_eos=True, detokenize=False, **settings)
@@ -44,8 +126,27 @@ def main() -> None:
             tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
             if rep:
                 rate = tokens / seconds
-                greedy = greedy or rate
-                print(f"{name:40s} {rate:9.1f} output tok/s ({seconds:.2f} s) {rate / greedy:.2f}x greedy", flush=True)
+                greedy_rate = greedy_rate or rate
+                print(f"{name:40s} {rate:9.1f} output tok/s ({seconds:.2f} s) {rate / greedy_rate:.2f}x greedy",
+                      flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("model", nargs="?", help="checkpoint folder (the offline table)")
+    parser.add_argument("--prompts", type=int, default=64)
+    parser.add_argument("--kernel", action="store_true", help="time the sampling kernel alone")
+    parser.add_argument("--baseline", help="a commit (or file) whose kernels/sampling.py the kernel table times beside")
+    parser.add_argument("--scale", type=float, default=2.0, help="the kernel table's logit standard deviation")
+    args = parser.parse_args()
+    if args.prompts < 1:
+        parser.error(f"--prompts must be >= 1, got {args.prompts}")
+    if not args.model and not args.kernel:
+        parser.error("give MODEL_DIR, --kernel, or both")
+    if args.kernel:
+        kernel_table(args.baseline, args.scale)
+    if args.model:
+        engine_table(args.model, args.prompts)
 
 
 if __name__ == "__main__":

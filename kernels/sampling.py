@@ -1,11 +1,17 @@
 """Sampled token choice without sorting the vocabulary: temperature, top-k, top-p, min-p and a seeded draw per row.
 
-One program per row. Thresholds are found by a 16-way search over the row's values in their ordered-integer
-form (every pass counts, or sums the probability mass, above 16 pivots at once: at most 8 passes for 32 bits),
-as FlashInfer's sorting-free samplers do, so a 128k-entry row is read a few times instead of sorted. Rows
-that only scale by a temperature read their row once. The draw is the exponential race argmax p_i / E_i
-written as Gumbel-max (argmax x_i - log E_i), its uniform variates a counter-based hash of (seed, output
-position, token id): a row's draw depends on nothing else in the batch, and reference.sample draws the same.
+One program per row, a few passes over its row. The first finds the row's max and, per lane of a block, the lane's
+max: the k-th largest of those lane maxima is a lower bound on the k-th largest value (k lanes hold a value at least
+that large), usually within a few tokens of it. Every token at or above such a bound is then gathered into a per-row
+buffer of CAP (key, token) pairs, and the thresholds come from sorting that buffer, not the row. Where the bound is
+too loose (top-p alone, or a large k), count passes narrow a bracket [lo, hi) of the values in their ordered-integer
+form: each pass counts, and sums the probability mass, at or above 16 pivots, 12 spaced in value (geometrically from
+the max while the bracket is open below, linearly inside it) and 4 in keys (progress whatever the values), until the
+bracket holds at most CAP tokens, which are gathered and sorted; a bracket that cannot shrink is one value (ties),
+and is the threshold. Top-p after top-k works on top-k's buffer when it holds every survivor. When the buffer holds
+every kept token the draw reads only the buffer, else one more pass over the row. The draw is the exponential race
+argmax p_i / E_i written as Gumbel-max (argmax x_i - log E_i), its uniform variates a counter-based hash of (seed,
+output position, token id): a row's draw depends on nothing else in the batch, and reference.sample draws the same.
 
 Semantics (reference.sample is the definition): x = logits * inv_temperature (fp32); top-k keeps x >= the
 k-th largest x (all ties at the threshold stay); top-p keeps, among those, every token whose strictly larger
@@ -19,8 +25,12 @@ import triton.language as tl
 
 from .reference import SAMPLE_FIELDS  # the row record's layout, shared with reference.sample
 
-PIVOTS = 16  # per search pass: 16 pivots cut the interval 17-fold, so 32-bit keys need at most 8 passes
+PIVOTS = 16  # per count pass: 16 pivots cut a bracket 17-fold
+CAP = 2048  # gathered candidates per row: a bracket at most this large is sorted instead of searched further
+SMALL = 256  # candidates this few are sorted at this size (top-k 50's usual buffer), not at CAP
 INT32_MIN = tl.constexpr(-(2**31))
+INT32_MAX = tl.constexpr(2**31 - 1)
+KEY_NEG_INF = tl.constexpr(-2139095041)  # _key(-inf)
 
 
 @triton.jit
@@ -49,13 +59,175 @@ def _key(x):
 
 
 @triton.jit
+def _value(key):
+    """The inverse of _key on int32 keys (INT32_MIN, below every value's key, comes back as a NaN)."""
+    return tl.where(key >= 0, key, key ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _scaled(base, offs, valid, inv_t):
     return tl.load(base + offs, mask=valid, other=float("-inf")).to(tl.float32) * inv_t
 
 
 @triton.jit
-def _sample_kernel(logits_ptr, stride_row, params_ptr, paramsf_ptr, stride_params, out_ptr, V,
-                   BLOCK: tl.constexpr, SEARCH_BLOCK: tl.constexpr, NP: tl.constexpr):
+def _pivots(lo, hi, NP: tl.constexpr):
+    """NP int64 pivots for the bracket (lo, hi) of keys. NP - 4 are spaced in value: down from hi by 0.25 ...
+    44 in steps of 1.6x while lo is -inf or far below, linearly when within 64 (each replaced by an evenly
+    spaced key where it falls outside the bracket). The last 4 are spaced in keys, which cuts any bracket
+    5-fold per pass (32 bits in at most 14) whatever its values: a threshold at -inf or among values near 0."""
+    j = tl.arange(0, NP).to(tl.int64) + 1
+    NV: tl.constexpr = NP - 4
+    by_key = tl.where(j <= NV, lo + ((hi - lo) * j) // (NP + 1), lo + ((hi - lo) * (j - NV)) // 5)
+    hi_v = _value(hi.to(tl.int32))
+    lo_v = _value(tl.maximum(lo, KEY_NEG_INF).to(tl.int32))
+    span = hi_v - lo_v
+    jv = tl.minimum(j, NV).to(tl.float32)
+    linear = hi_v - span * jv / (NV + 1)
+    geometric = hi_v - 0.25 * tl.exp2((jv - 1.0) * 0.678)
+    v = tl.where((lo > KEY_NEG_INF) & (span <= 64.0), linear, geometric)
+    by_val = _key(v).to(tl.int64)
+    return tl.where((j <= NV) & (by_val > lo) & (by_val < hi), by_val, by_key)
+
+
+@triton.jit
+def _count_pass(base, V, inv_t, m, floor, piv, MASS: tl.constexpr, SEARCH_BLOCK: tl.constexpr, NP: tl.constexpr):
+    """One pass over the row: per pivot the count of keys >= it and (MASS) their mass exp(x - m); and the mass of
+    all keys >= floor (the top-k survivors, whose mass top-p takes its fraction of)."""
+    cnt = tl.zeros([NP], tl.int32)
+    mass = tl.zeros([NP], tl.float32)
+    total = tl.zeros([SEARCH_BLOCK], tl.float32)
+    p32 = piv.to(tl.int32)
+    for k0 in range(0, V, SEARCH_BLOCK):
+        offs = k0 + tl.arange(0, SEARCH_BLOCK)
+        valid = offs < V
+        x = _scaled(base, offs, valid, inv_t)
+        key = _key(x)
+        hit = (key[:, None] >= p32[None, :]) & valid[:, None]
+        cnt += tl.sum(hit.to(tl.int32), axis=0)
+        if MASS:
+            e = tl.where(valid & (key >= floor), tl.exp(x - m), 0.0)
+            total += e
+            mass += tl.sum(tl.where(hit, e[:, None], 0.0), axis=0)
+    return cnt, mass, tl.sum(total, axis=0)
+
+
+@triton.jit
+def _gather(base, V, inv_t, lo, hi, keys_ptr, ids_ptr, CAP: tl.constexpr, BLOCK: tl.constexpr):
+    """One pass over the row: the (key, token) of every token with lo <= key < hi, in token order, into the
+    row's buffer (the first CAP of them) -> how many there are (more than CAP: the buffer is incomplete)."""
+    tl.debug_barrier()  # the buffer's earlier contents are read by every warp before any overwrites them
+    n = tl.full([], 0, tl.int32)
+    for k0 in range(0, V, BLOCK):
+        offs = k0 + tl.arange(0, BLOCK)
+        valid = offs < V
+        key = _key(_scaled(base, offs, valid, inv_t))
+        take = (valid & (key >= lo) & (key < hi)).to(tl.int32)
+        c = tl.sum(take, axis=0)
+        if c > 0:
+            pos = n + tl.cumsum(take, axis=0) - 1
+            put = (take > 0) & (pos < CAP)
+            tl.store(keys_ptr + pos, key, mask=put)
+            tl.store(ids_ptr + pos, offs, mask=put)
+        n += c
+    tl.debug_barrier()  # written by one warp, read by another
+    return n
+
+
+@triton.jit
+def _bracket(base, keys_ptr, ids_ptr, V, inv_t, m, floor, lo, cnt_lo, hi, cnt_hi, mass_hi, goal_k, top_p,
+             MASS: tl.constexpr, CAP: tl.constexpr, BLOCK: tl.constexpr, SEARCH_BLOCK: tl.constexpr,
+             NP: tl.constexpr):
+    """Narrow [lo, hi), which holds the threshold, until it is gathered (<= CAP tokens) or is one key.
+
+    Count mode (top-k): count(key >= lo) >= goal_k > count(key >= hi) = cnt_hi. Mass mode (top-p over the keys
+    >= floor): mass(key >= lo) >= target > mass(key >= hi) = mass_hi, target = top_p * mass(key >= floor) found
+    by the first pass. cnt_lo < 0: not known (a gather finds out). -> (gathered: the buffer holds the n tokens of
+    [lo, hi), else hi = lo + 1 and lo is the threshold), lo, hi, cnt_hi, mass_hi, target, n."""
+    need_pass = tl.full([], MASS, tl.int1)
+    done = tl.full([], False, tl.int1)
+    gathered = tl.full([], False, tl.int1)
+    target = tl.full([], 0.0, tl.float32)
+    n = tl.full([], 0, tl.int32)
+    while not done:
+        if (not need_pass) & ((cnt_lo < 0) | (cnt_lo - cnt_hi <= CAP)):
+            n = _gather(base, V, inv_t, lo, hi, keys_ptr, ids_ptr, CAP, BLOCK)
+            if n <= CAP:
+                gathered = tl.full([], True, tl.int1)
+                done = tl.full([], True, tl.int1)
+            else:
+                cnt_lo = cnt_hi + n
+        if not done:
+            if hi - lo <= 1:
+                done = tl.full([], True, tl.int1)
+            else:
+                piv = _pivots(lo, hi, NP)
+                cnt, mass, total = _count_pass(base, V, inv_t, m, floor, piv, MASS, SEARCH_BLOCK, NP)
+                if MASS:
+                    if need_pass:
+                        target = top_p * total
+                    up = mass >= target
+                else:
+                    up = cnt >= goal_k
+                lo = tl.maximum(lo, tl.max(tl.where(up, piv, lo), axis=0))
+                hi = tl.minimum(hi, tl.min(tl.where(up, hi, piv), axis=0))
+                cnt_lo = tl.min(tl.where(up, cnt, tl.where(cnt_lo < 0, INT32_MAX, cnt_lo)), axis=0)
+                cnt_lo = tl.where(cnt_lo == INT32_MAX, -1, cnt_lo)
+                cnt_hi = tl.max(tl.where(up, cnt_hi, cnt), axis=0)
+                mass_hi = tl.max(tl.where(up, mass_hi, mass), axis=0)
+                need_pass = tl.full([], False, tl.int1)
+    return gathered, lo, hi, cnt_hi, mass_hi, target, n
+
+
+@triton.jit
+def _top_p_in_buffer(s, r, n, m, floor, hi, mass_hi, target):
+    """The top-p threshold from the buffer's keys sorted descending (s; r the positions, n filled), which hold
+    every key >= floor below hi: the smallest key whose strictly larger survivors hold less than target (a tie
+    group is judged at its first place, where the mass before it is least), hi if none does."""
+    e = tl.where((r < n) & (s >= floor), tl.exp(_value(s) - m), 0.0)
+    before = tl.cumsum(e, axis=0) - e
+    ok = (r < n) & (s >= floor) & (mass_hi + before < target)
+    return tl.minimum(tl.min(tl.where(ok, s, INT32_MAX), axis=0).to(tl.int64), hi)
+
+
+@triton.jit
+def _solve_top_k(keys_ptr, n, m, top_k, cnt_hi, then_p, top_p, top, SIZE: tl.constexpr):
+    """Top-k's threshold from the n <= SIZE gathered keys (every key >= lo below the bracket's top, cnt_hi keys
+    above it): the (top_k - cnt_hi)-th largest of them; then (then_p: the buffer holds every survivor) top-p's
+    among the survivors."""
+    r = tl.arange(0, SIZE)
+    s = tl.sort(tl.load(keys_ptr + r, mask=r < n, other=INT32_MIN), descending=True)
+    thr = tl.sum(tl.where(r == top_k - cnt_hi - 1, s, 0), axis=0).to(tl.int64)
+    if then_p:
+        z = tl.sum(tl.where((r < n) & (s >= thr), tl.exp(_value(s) - m), 0.0), axis=0)
+        thr = _top_p_in_buffer(s, r, n, m, thr, top, 0.0, top_p * z)
+    return thr
+
+
+@triton.jit
+def _solve_top_p(keys_ptr, n, m, floor, hi, mass_hi, target, SIZE: tl.constexpr):
+    r = tl.arange(0, SIZE)
+    s = tl.sort(tl.load(keys_ptr + r, mask=r < n, other=INT32_MIN), descending=True)
+    return _top_p_in_buffer(s, r, n, m, floor, hi, mass_hi, target)
+
+
+@triton.jit
+def _draw_buffer(keys_ptr, ids_ptr, n, m, thr, log_min_p, k1, k2, SIZE: tl.constexpr):
+    """The draw among the n <= SIZE gathered tokens, which hold every kept one (ties to the lowest token id, as
+    the full-row draw)."""
+    r = tl.arange(0, SIZE)
+    key = tl.load(keys_ptr + r, mask=r < n, other=INT32_MIN)
+    tok = tl.load(ids_ptr + r, mask=r < n, other=0)
+    x = _value(key)
+    keep = (r < n) & (key >= thr) & (x - m >= log_min_p)
+    score = tl.where(keep, x - tl.log(-tl.log(_uniform(tok.to(tl.uint32), k1, k2))), float("-inf"))
+    best = tl.max(score, axis=0)
+    return tl.min(tl.where(keep & (score == best), tok, INT32_MAX), axis=0)
+
+
+@triton.jit
+def _sample_kernel(logits_ptr, stride_row, params_ptr, paramsf_ptr, stride_params, out_ptr, V, work_ptr,
+                   BLOCK: tl.constexpr, SEARCH_BLOCK: tl.constexpr, NP: tl.constexpr, CAP: tl.constexpr,
+                   SMALL: tl.constexpr):
     row = tl.program_id(0)
     p_i = params_ptr + row * stride_params
     p_f = paramsf_ptr + row * stride_params  # fields at reference.INV_TEMPERATURE ... POSITION (0 ... 6)
@@ -68,93 +240,98 @@ def _sample_kernel(logits_ptr, stride_row, params_ptr, paramsf_ptr, stride_param
         seed_hi = tl.load(p_i + 5).to(tl.uint32, bitcast=True)
         position = tl.load(p_i + 6).to(tl.uint32, bitcast=True)
         base = logits_ptr + row.to(tl.int64) * stride_row
+        keys_ptr = work_ptr + row.to(tl.int64) * (2 * CAP)
+        ids_ptr = keys_ptr + CAP
         has_k = (top_k > 0) & (top_k < V)
         has_p = top_p < 1.0
         has_m = log_min_p > float("-inf")
         m = tl.full([], float("-inf"), tl.float32)  # the row's max, when a filter needs it
         thr = tl.full([], INT32_MIN, tl.int64)  # keep keys >= thr
+        mvec = tl.full([BLOCK], float("-inf"), tl.float32)  # per lane, the lane's max
         if has_k | has_p | has_m:
-            mvec = tl.full([BLOCK], float("-inf"), tl.float32)
             for k0 in range(0, V, BLOCK):
                 offs = k0 + tl.arange(0, BLOCK)
                 mvec = tl.maximum(mvec, _scaled(base, offs, offs < V, inv_t))
             m = tl.max(mvec, axis=0)
         key_m = _key(m).to(tl.int64)
-        j = tl.arange(0, NP).to(tl.int64) + 1
+        top = key_m + 1  # no key reaches it
+        n = tl.full([], 0, tl.int32)
+        zero_i = tl.full([], 0, tl.int32)
+        zero_f = tl.full([], 0.0, tl.float32)
+        in_buffer = tl.full([], False, tl.int1)  # the buffer holds every key >= thr
+        p_done = tl.full([], False, tl.int1)
         if has_k:
-            # the largest t with count(key >= t) >= k is the k-th largest value's key
-            lo = thr
-            hi = key_m + 1
-            while hi - lo > 1:
-                piv = (lo + ((hi - lo) * j) // (NP + 1)).to(tl.int32)
-                cnt = tl.zeros([NP], tl.int32)
-                for k0 in range(0, V, SEARCH_BLOCK):
-                    offs = k0 + tl.arange(0, SEARCH_BLOCK)
-                    valid = offs < V
-                    key = _key(_scaled(base, offs, valid, inv_t))
-                    hit = (key[:, None] >= piv[None, :]) & valid[:, None]
-                    cnt += tl.sum(hit.to(tl.int32), axis=0)
-                ok = cnt >= top_k
-                lo = tl.max(tl.where(ok, piv.to(tl.int64), lo), axis=0)
-                hi = tl.min(tl.where(ok, hi, piv.to(tl.int64)), axis=0)
+            lo = tl.full([], INT32_MIN, tl.int64)
+            cnt_lo = tl.full([], 0, tl.int32) + V
+            if top_k <= BLOCK:
+                lane = tl.sort(mvec, descending=True)
+                kth_lane = tl.sum(tl.where(tl.arange(0, BLOCK) == top_k - 1, lane, 0.0), axis=0)
+                lo = _key(kth_lane).to(tl.int64)
+                cnt_lo = tl.full([], -1, tl.int32)
+            gathered, lo, hi, cnt_hi, _, _, n = _bracket(
+                base, keys_ptr, ids_ptr, V, inv_t, m, thr, lo, cnt_lo, top, zero_i, zero_f, top_k, 1.0,
+                False, CAP, BLOCK, SEARCH_BLOCK, NP)
             thr = lo
-        if has_p:
-            zvec = tl.zeros([BLOCK], tl.float32)
-            for k0 in range(0, V, BLOCK):
-                offs = k0 + tl.arange(0, BLOCK)
-                valid = offs < V
-                x = _scaled(base, offs, valid, inv_t)
-                zvec += tl.where(valid & (_key(x) >= thr), tl.exp(x - m), 0.0)
-            target = top_p * tl.sum(zvec, axis=0)
-            # the smallest t whose survivors above t hold less than top_p of the mass
-            lo = thr - 1
-            hi = key_m
-            while hi - lo > 1:
-                piv = tl.maximum(lo + ((hi - lo) * j) // (NP + 1), INT32_MIN).to(tl.int32)
-                mass = tl.zeros([NP], tl.float32)
-                for k0 in range(0, V, SEARCH_BLOCK):
-                    offs = k0 + tl.arange(0, SEARCH_BLOCK)
-                    valid = offs < V
-                    x = _scaled(base, offs, valid, inv_t)
-                    key = _key(x)
-                    e = tl.where(valid & (key >= thr), tl.exp(x - m), 0.0)
-                    mass += tl.sum(tl.where(key[:, None] > piv[None, :], e[:, None], 0.0), axis=0)
-                ok = mass < target
-                hi = tl.min(tl.where(ok, piv.to(tl.int64), hi), axis=0)
-                lo = tl.max(tl.where(ok, lo, piv.to(tl.int64)), axis=0)
-            thr = hi
+            if gathered:
+                in_buffer = hi == top
+                p_done = has_p & in_buffer
+                if n <= SMALL:
+                    thr = _solve_top_k(keys_ptr, n, m, top_k, cnt_hi, p_done, top_p, top, SMALL)
+                else:
+                    thr = _solve_top_k(keys_ptr, n, m, top_k, cnt_hi, p_done, top_p, top, CAP)
+        if has_p & (not p_done):
+            gathered, lo, hi, _, mass_hi, target, n = _bracket(
+                base, keys_ptr, ids_ptr, V, inv_t, m, thr, thr, zero_i - 1, top, zero_i, zero_f, top_k, top_p,
+                True, CAP, BLOCK, SEARCH_BLOCK, NP)
+            thr = lo
+            in_buffer = gathered & (hi == top)
+            if gathered:
+                if n <= SMALL:
+                    thr = _solve_top_p(keys_ptr, n, m, thr, hi, mass_hi, target, SMALL)
+                else:
+                    thr = _solve_top_p(keys_ptr, n, m, thr, hi, mass_hi, target, CAP)
         a = _fmix32(position * 0x9E3779B9 + 0x632BE5AB)
         a = _fmix32(a ^ seed_hi)
         k1 = _fmix32(a ^ seed_lo)
         k2 = _fmix32(k1 + 0x7F4A7C15)
-        best_val = tl.full([], float("-inf"), tl.float32)
-        best_idx = tl.full([], 0, tl.int32)
-        for k0 in range(0, V, BLOCK):
-            offs = k0 + tl.arange(0, BLOCK)
-            valid = offs < V
-            x = _scaled(base, offs, valid, inv_t)
-            keep = valid & (_key(x) >= thr) & (x - m >= log_min_p)  # log_min_p -inf: off
-            u = _uniform(offs.to(tl.uint32), k1, k2)
-            score = tl.where(keep, x - tl.log(-tl.log(u)), float("-inf"))
-            val, i = tl.max(score, axis=0, return_indices=True, return_indices_tie_break_left=True)
-            if val > best_val:  # strictly greater: an earlier block keeps a tie
-                best_val = val
-                best_idx = k0 + i
+        if in_buffer:
+            if n <= SMALL:
+                best_idx = _draw_buffer(keys_ptr, ids_ptr, n, m, thr, log_min_p, k1, k2, SMALL)
+            else:
+                best_idx = _draw_buffer(keys_ptr, ids_ptr, n, m, thr, log_min_p, k1, k2, CAP)
+        else:
+            best_val = tl.full([], float("-inf"), tl.float32)
+            best_idx = tl.full([], 0, tl.int32)
+            for k0 in range(0, V, BLOCK):
+                offs = k0 + tl.arange(0, BLOCK)
+                valid = offs < V
+                x = _scaled(base, offs, valid, inv_t)
+                keep = valid & (_key(x) >= thr) & (x - m >= log_min_p)  # log_min_p -inf: off
+                u = _uniform(offs.to(tl.uint32), k1, k2)
+                score = tl.where(keep, x - tl.log(-tl.log(u)), float("-inf"))
+                val, i = tl.max(score, axis=0, return_indices=True, return_indices_tie_break_left=True)
+                if val > best_val:  # strictly greater: an earlier block keeps a tie
+                    best_val = val
+                    best_idx = k0 + i
         tl.store(out_ptr + row, best_idx.to(tl.int64))
 
 
 def sample(logits: torch.Tensor, params: torch.Tensor, out: torch.Tensor | None = None, block: int = 1024,
-           search_block: int = 256) -> torch.Tensor:
+           search_block: int = 256, cap: int = CAP) -> torch.Tensor:
     """logits [R, V] (last dim contiguous, any float dtype), params int32 [R, >= SAMPLE_FIELDS] (row records, the
     row stride a multiple of 4 so every row is 16-byte aligned) -> int64 [R]: a drawn token for every row with
-    inv_temperature > 0; the other rows of `out` are left as they are (uninitialised without `out`)."""
+    inv_temperature > 0; the other rows of `out` are left as they are (uninitialised without `out`). block and
+    cap: powers of two (cap: the candidates gathered per row)."""
     R, V = logits.shape
     assert logits.stride(-1) == 1 and params.dtype == torch.int32 and params.shape[1] >= SAMPLE_FIELDS
     if out is None:
         out = torch.empty(R, dtype=torch.int64, device=logits.device)
     if R == 0:
         return out
+    work = torch.empty((R, 2, cap), dtype=torch.int32, device=logits.device)
     # no FMA contraction: x * inv_t and x - max round as in the reference, so thresholds and ties agree
     _sample_kernel[(R,)](logits, logits.stride(0), params, params.view(torch.float32), params.stride(0), out, V,
-                         BLOCK=block, SEARCH_BLOCK=search_block, NP=PIVOTS, num_warps=8, enable_fp_fusion=False)
+                         work, BLOCK=block, SEARCH_BLOCK=search_block, NP=PIVOTS, CAP=cap, SMALL=min(SMALL, cap),
+                         num_warps=8,
+                         enable_fp_fusion=False)
     return out

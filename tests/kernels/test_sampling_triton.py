@@ -21,8 +21,10 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 
 
 def both(x, rec, **blocks):
+    """The kernel (a 32-entry candidate buffer unless told: brackets overflow it and are narrowed by count
+    passes) and the reference on the same rows."""
     out = torch.full((x.shape[0],), -5, dtype=torch.int64)
-    got = sampling.sample(x, rec, out.clone(), **blocks)
+    got = sampling.sample(x, rec, out.clone(), **{"cap": 32, **blocks})
     want = ref.sample(x, rec, out.clone())
     return got, want
 
@@ -48,7 +50,7 @@ def test_triton_sample_matches_reference(dtype):
 def test_triton_sample_thresholds_on_ties():
     """Ties at the top-k and the top-p threshold, across search blocks: the kernel keeps the same set as the
     reference (every tied token drawn), and -inf logits (banned tokens) are never drawn."""
-    n = 300
+    n = 48  # P(one of four equally likely tokens never drawn) = 4 * 0.75**48 < 1e-5
     x = torch.full((n, 96), -2.0)
     x[:, [3, 40, 41, 90]] = 4.0  # four tied at the top, in different blocks
     x[:, 50] = float("-inf")
@@ -68,6 +70,60 @@ def test_triton_sample_many_rows_one_launch():
     x = torch.randn(6, 200, generator=g)
     rec = records([1.0, 0.8, 1.0, 1.1, 0.6, 1.0], [0, 10, 0, 4, 0, 0], [0.9, 1.0, 0.7, 1.0, 1.0, 0.99],
                   seed=[5, 5, 6, 6, 7, 7], position=[0, 1, 0, 1, 0, 1])
-    together = sampling.sample(x, rec, block=64, search_block=64)
+    together = sampling.sample(x, rec, block=64, search_block=64, cap=64)
     for i in range(6):
-        assert sampling.sample(x[i:i + 1], rec[i:i + 1], block=64, search_block=64)[0] == together[i]
+        assert sampling.sample(x[i:i + 1], rec[i:i + 1], block=64, search_block=64, cap=64)[0] == together[i]
+
+
+def test_triton_sample_every_path_to_a_threshold():
+    """Each way the kernel finds a threshold, against the reference: top-k from the lane-max bound gathered at
+    once; that bound too loose for the buffer (the top tokens in one lane); k above the lanes (count passes from
+    the bottom); top-p over flat logits (a bracket narrowed several times) and over peaked ones; a tie group
+    larger than the buffer straddling each threshold (a bracket of one key); the same tokens whatever the
+    buffer's size."""
+    g = torch.Generator().manual_seed(9)
+    V = 256
+    peaked = torch.randn(V, generator=g) * 4
+    flat = torch.randn(V, generator=g) * 0.05
+    one_lane = torch.randn(V, generator=g)
+    one_lane[::32] += 10.0  # with block 32, the eight largest share lane 0: the 3rd lane max is far below
+    tied = torch.randn(V, generator=g)
+    tied[40:120] = 3.0  # 80 tied at the top
+    rows = torch.stack([peaked, one_lane, peaked, flat, peaked, tied, tied, flat, one_lane])
+    top_k = [3, 3, 100, 0, 0, 5, 0, 40, 6]
+    top_p = [1.0, 1.0, 1.0, 0.9, 0.6, 1.0, 0.2, 0.5, 0.7]
+    for step in range(2):
+        rec = records(1.0, top_k, top_p, seed=[11, 12, 13, 14, 15, 16, 17, 18, 19], position=step)
+        want = None
+        for cap in (8, 32, 256):
+            got, want = both(rows, rec, block=32, search_block=16, cap=cap)
+            assert torch.equal(got, want), (cap, got, want)
+    assert all(40 <= t < 120 for t in want[[5, 6]].tolist())
+
+
+def test_triton_sample_edge_settings():
+    """top_k 1 is greedy; top_k >= V and top_p 1 are off; a row of -inf but one token draws that token under
+    every filter; min-p with top-p; fp32 and bf16 rows of different settings in one batch."""
+    g = torch.Generator().manual_seed(3)
+    V = 200
+    x = torch.randn(6, V, generator=g) * 2
+    n = x.shape[0]
+    for step in range(2):
+        got, want = both(x, records(0.7, 1, 1.0, seed=np.arange(n), position=step), block=64, search_block=32)
+        assert torch.equal(got, want) and torch.equal(got, x.argmax(dim=1))
+        off = both(x, records(1.0, 0, 1.0, seed=np.arange(n), position=step), block=64)[0]
+        for k in (V, V + 7):
+            got, want = both(x, records(1.0, k, 1.0, seed=np.arange(n), position=step), block=64, search_block=32)
+            assert torch.equal(got, want) and torch.equal(got, off)
+    lone = torch.full((4, V), float("-inf"))
+    lone[torch.arange(4), torch.tensor([0, 77, 150, V - 1])] = torch.tensor([-30.0, 0.0, 12.0, 1.0])
+    rec = records([1.0, 0.5, 1.0, 2.0], [0, 3, 1, 0], [0.9, 0.5, 1.0, 0.3], [0.0, 0.1, 0.0, 0.5], seed=[1, 2, 3, 4])
+    got, want = both(lone, rec, block=64, search_block=32)
+    assert got.tolist() == want.tolist() == [0, 77, 150, V - 1]
+    for dtype in (torch.float32, torch.bfloat16):
+        y = (torch.randn(8, V, generator=g) * 3).to(dtype)
+        rec = records([1.0, 0.8, 1.2, 1.0, 0.9, 1.0, 0.6, 1.0], [0, 0, 10, 0, 50, 2, 0, 0],
+                      [0.9, 0.95, 0.8, 1.0, 0.9, 1.0, 0.5, 0.99], [0.1, 0.02, 0.05, 0.2, 0.0, 0.0, 0.3, 0.01],
+                      seed=np.arange(8) + 40, position=5)
+        got, want = both(y, rec, block=64, search_block=32)
+        assert torch.equal(got, want), (dtype, got, want)
