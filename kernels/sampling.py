@@ -93,8 +93,10 @@ def _pivots(lo, hi, NP: tl.constexpr):
 def _count_pass(base, V, inv_t, m, floor, piv, MASS: tl.constexpr, SEARCH_BLOCK: tl.constexpr, NP: tl.constexpr):
     """One pass over the row: per pivot the count of keys >= it and (MASS) their mass exp(x - m); and the mass of
     all keys >= floor (the top-k survivors, whose mass top-p takes its fraction of)."""
-    cnt = tl.zeros([NP], tl.int32)
-    mass = tl.zeros([NP], tl.float32)
+    # per-lane partials in registers, reduced across lanes once after the pass (a reduction per block costs
+    # more than the block's arithmetic)
+    cnt = tl.zeros([SEARCH_BLOCK, NP], tl.int32)
+    mass = tl.zeros([SEARCH_BLOCK, NP], tl.float32)
     total = tl.zeros([SEARCH_BLOCK], tl.float32)
     p32 = piv.to(tl.int32)
     for k0 in range(0, V, SEARCH_BLOCK):
@@ -103,12 +105,12 @@ def _count_pass(base, V, inv_t, m, floor, piv, MASS: tl.constexpr, SEARCH_BLOCK:
         x = _scaled(base, offs, valid, inv_t)
         key = _key(x)
         hit = (key[:, None] >= p32[None, :]) & valid[:, None]
-        cnt += tl.sum(hit.to(tl.int32), axis=0)
+        cnt += hit.to(tl.int32)
         if MASS:
             e = tl.where(valid & (key >= floor), tl.exp(x - m), 0.0)
             total += e
-            mass += tl.sum(tl.where(hit, e[:, None], 0.0), axis=0)
-    return cnt, mass, tl.sum(total, axis=0)
+            mass += tl.where(hit, e[:, None], 0.0)
+    return tl.sum(cnt, axis=0), tl.sum(mass, axis=0), tl.sum(total, axis=0)
 
 
 @triton.jit
