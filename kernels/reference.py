@@ -309,7 +309,13 @@ def counter_uniform(seed_lo, seed_hi, position, tokens):
     k1 = _fmix32(a ^ seed_lo)
     k2 = _fmix32((k1 + 0x7F4A7C15) & _M32)
     h = _fmix32(_fmix32((tokens.long()[None, :] + k1) & _M32) ^ k2)
-    return ((h >> 8).float() + 0.5) * 2.0**-24
+    return unit_float(h)
+
+
+def unit_float(h):
+    """uint32 hash (int64 tensor) -> U(0, 1) fp32, as the kernel's _uniform: 23 bits, centred, so the top value,
+    1 - 2**-24, stays below 1.0 in fp32 (24 bits round their top value to 1.0, which scored +inf)."""
+    return ((h >> 9).float() + 0.5) * 2.0**-23
 
 
 def sample(logits, params, out=None):

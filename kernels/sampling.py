@@ -46,9 +46,10 @@ def _fmix32(h):
 
 @triton.jit
 def _uniform(tokens, k1, k2):
-    """U(0, 1) per token id (uint32) for the row keys k1, k2: 24 random bits, centred, so never 0 or 1."""
+    """U(0, 1) per token id (uint32) for the row keys k1, k2: 23 random bits, centred, so never 0 or 1 (with 24
+    bits the top value, 1 - 2**-25, rounds to 1.0 in fp32: one id in 2**24 per row scored +inf and won)."""
     h = _fmix32(_fmix32(tokens + k1) ^ k2)
-    return ((h >> 8).to(tl.float32) + 0.5) * 5.9604644775390625e-08
+    return ((h >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07
 
 
 @triton.jit

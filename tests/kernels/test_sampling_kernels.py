@@ -123,6 +123,13 @@ def test_counter_uniform_is_uniform_and_keyed():
     assert abs(float(torch.corrcoef(torch.stack([u, nxt]))[0, 1])) < 0.02
 
 
+def test_unit_float_stays_strictly_inside_0_1_at_the_extreme_hashes():
+    # a draw of exactly 1.0 scores +inf (its token wins whatever its probability), one of 0.0 scores -inf
+    u = ref.unit_float(torch.tensor([0, 511, 512, 2**32 - 512, 2**32 - 1]))
+    assert u.dtype == torch.float32 and bool((u > 0).all()) and bool((u < 1).all())
+    assert float(u[-1]) == 1 - 2**-24 and float(u[0]) == 2**-24
+
+
 @pytest.mark.parametrize("dtype", ["*bf16", "*fp32"])
 def test_kernel_compiles_for_hopper_without_fma(dtype):
     """The kernel through Triton's whole CUDA pipeline for sm_90 (PTX and cubin, no GPU needed): the
