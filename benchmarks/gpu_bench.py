@@ -28,7 +28,7 @@ import time
 import traceback
 
 import torch
-from make_checkpoint import make_checkpoint  # benchmarks/ is on sys.path: it holds this script
+from make_checkpoint import make_checkpoint, roomy  # benchmarks/ is on sys.path: it holds this script
 
 from pagefleet.worker import EngineConfig, SamplingParams
 from pagefleet.worker.core.sequence import SequenceStatus
@@ -39,15 +39,7 @@ OUT = sys.argv[1] if len(sys.argv) > 1 else "."
 SECTIONS = sys.argv[2:] or ["ceilings", "correctness", "hf", "static", "eager", "mixed", "roofline", "startup"]
 
 
-def _roomy(path: str, need: float = 40e9) -> bool:
-    try:
-        st = os.statvfs(path)
-        return st.f_bavail * st.f_frsize > need
-    except OSError:
-        return False
-
-
-ROOT = "/dev/shm/pagefleet" if _roomy("/dev/shm") else "/tmp/pagefleet"  # tmpfs makes the 16 GB write quick
+ROOT = "/dev/shm/pagefleet" if roomy("/dev/shm", 40e9) else "/tmp/pagefleet"  # tmpfs makes the 16 GB write quick
 RESULTS: dict = {}
 
 

@@ -34,6 +34,15 @@ CONFIGS = {
 }
 
 
+def roomy(path: str, need: float) -> bool:
+    """True when the filesystem of `path` has more than `need` bytes free (False when it is not there)."""
+    try:
+        st = os.statvfs(path)
+        return st.f_bavail * st.f_frsize > need
+    except OSError:
+        return False
+
+
 def tensor_shapes(c: dict) -> dict[str, tuple[int, ...]]:
     h, i, d = c["hidden_size"], c["intermediate_size"], c["head_dim"]
     q, kv = c["num_attention_heads"] * d, c["num_key_value_heads"] * d

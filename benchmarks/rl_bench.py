@@ -581,14 +581,6 @@ def table() -> None:
     print(f"checks: {'all pass' if not FAILED else 'FAILED: ' + '; '.join(FAILED)}", flush=True)
 
 
-def _roomy(path: str, need: float = 36e9) -> bool:
-    try:
-        st = os.statvfs(path)
-        return st.f_bavail * st.f_frsize > need
-    except OSError:
-        return False
-
-
 def main() -> int:
     global ARGS
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -611,7 +603,9 @@ def main() -> int:
         p.error("no CUDA device: run with --tiny --model DIR on CPU")
     if ARGS.ipc_repeats < 1:
         p.error("--ipc-repeats must be >= 1")
-    ARGS.root = ARGS.root or ("/dev/shm/pagefleet" if _roomy("/dev/shm") else "/tmp/pagefleet")
+    from make_checkpoint import roomy  # benchmarks/ is on sys.path: it holds this script
+
+    ARGS.root = ARGS.root or ("/dev/shm/pagefleet" if roomy("/dev/shm", 36e9) else "/tmp/pagefleet")
     os.makedirs(ARGS.out, exist_ok=True)
     os.makedirs(ARGS.root, exist_ok=True)
     RESULTS["device"] = torch.cuda.get_device_name() if cuda() else "cpu"

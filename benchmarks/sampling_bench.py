@@ -75,18 +75,12 @@ def kernel_table(baseline: str | None, scale: float) -> None:
         rec[:, ref.TOP_K], rec[:, ref.SEED_LO] = top_k, np.arange(n)
         return torch.from_numpy(rec).cuda()
 
+    from gemv_bench import median_us  # benchmarks/ is on sys.path: it holds this script
+
     def time_us(fn, reps=50):
-        for _ in range(3):
+        for _ in range(3):  # compiles and warms up outside the timed runs
             fn()
-        times = []
-        for _ in range(reps):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b) * 1000)
-        return float(np.median(times))
+        return median_us(fn, reps, cuda=True)
 
     print(f"sampling kernel alone, bf16 logits N(0, {scale}^2) x {VOCAB:,}, median us per launch"
           + (f"; old = kernels/sampling.py at {baseline}" if old else ""), flush=True)
