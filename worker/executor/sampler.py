@@ -30,10 +30,9 @@ from pagefleet.worker.models.layers import ops
 _BIT_SHIFTS: dict[torch.device, torch.Tensor] = {}
 
 
-def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
     """In place: logits[rows[g], t] = -inf where bit t of bitmask[g] (int32 words, bit t % 32 of word t // 32)
-    is 0, and for every t past the bitmask's 32 * W ids. All on the device: no host sync. Returns the allowed
-    tokens, bool [G, V]."""
+    is 0, and for every t past the bitmask's 32 * W ids. All on the device: no host sync."""
     G, W = bitmask.shape
     V = logits.shape[1]
     shifts = _BIT_SHIFTS.get(logits.device)
@@ -46,18 +45,6 @@ def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch
         allowed = torch.cat([allowed, allowed.new_zeros(G, V - W * 32)], dim=1)
     x = logits.index_select(0, rows).masked_fill_(~allowed, float("-inf"))
     logits.index_copy_(0, rows, x)
-    return allowed
-
-
-def keep_allowed(tokens: torch.Tensor, logits: torch.Tensor, rows: torch.Tensor, allowed: torch.Tensor) -> None:
-    """In place: a constrained row whose drawn token is not allowed takes its best allowed token instead, on the
-    device. The draw's uniform variate rounds to 1.0 in fp32 for one token id in 2**24 (kernels' _uniform), and
-    its noise term is then infinite, so a -inf logit scores NaN (the reference's argmax takes it) or +inf; this
-    keeps such a draw inside the grammar."""
-    chosen = tokens.index_select(0, rows)
-    ok = allowed.gather(1, chosen[:, None]).squeeze(1)
-    best = ops.argmax(logits.index_select(0, rows))
-    tokens.index_copy_(0, rows, torch.where(ok, chosen, best))
 
 
 @dataclass
@@ -132,7 +119,7 @@ class Sampler:
             mask_rows, bitmask = self._upload_bitmask(*mask)
             if lp_rows:
                 raw = logits.clone()
-            allowed = apply_token_bitmask(logits, mask_rows, bitmask)
+            apply_token_bitmask(logits, mask_rows, bitmask)
         lp_counts = [seqs[i].params.logprobs for i in lp_rows]
         rows = self.state.rows(seqs, V, self.eos_token_ids)
         processed = self.state.processed(seqs, rows)
@@ -147,8 +134,6 @@ class Sampler:
         tokens = ops.argmax(x) if greedy.any() else None  # exact in the model's dtype
         if not greedy.all():
             tokens = self.kernel.sample(x, params, tokens)
-            if mask is not None:
-                keep_allowed(tokens, x, mask_rows, allowed)
         if len(processed):
             self._count(params, processed_d.long(), tokens)
         return self._with_logprobs(Sampled(tokens, lp_rows, lp_counts), raw, lp_rows_d)
