@@ -24,6 +24,11 @@ ROUTINGS = ("prefix-aware", "queue-depth", "simple-shuffle", "least-busy")
 OURS = ("prefix-aware", "queue-depth")
 METRICS_PATH = "/pagefleet/metrics"
 
+# Longer than the idle expiry of client pools (httpx and the openai SDK 5 s, aiohttp 15 s): at uvicorn's own 5 s
+# both ends close at once, and a request written into a closing connection fails with "Server disconnected
+# without sending a response" (the e2e prefix-routing bench met it between its two workloads).
+KEEP_ALIVE_S = 75.0
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="0.0.0.0")
@@ -70,6 +75,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--worker-api-key", default=os.environ.get("PAGEFLEET_WORKER_API_KEY"),
                         help="key the gateway sends to workers started with --api-key")
     cold_start.add_arguments(parser)
+    parser.add_argument("--timeout-keep-alive", type=float, default=KEEP_ALIVE_S,
+                        help="seconds an idle client keep-alive connection stays open")
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
 
 
@@ -145,7 +152,8 @@ async def serve(args: argparse.Namespace, settings: ProxySettings, policy: Routi
     app = MasterKeyOnly(app, settings.master_key, database=bool(os.environ.get("DATABASE_URL")))
     app = NotReadyUntilRouting(app)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
-                                           log_level="warning", timeout_graceful_shutdown=5))
+                                           log_level="warning", timeout_graceful_shutdown=5,
+                                           timeout_keep_alive=args.timeout_keep_alive))
     server_task = asyncio.create_task(server.serve(), name="litellm-proxy")
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

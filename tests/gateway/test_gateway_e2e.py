@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -172,6 +173,37 @@ async def test_wrong_or_missing_key_is_401_and_health_is_open(fleet):
         assert (await h.get("/health/readiness")).status_code == 200
         metrics = (await h.get("/pagefleet/metrics")).text
         assert "pagefleet_gateway_worker_up" in metrics and "pagefleet_gateway_routing_decisions_total" in metrics
+
+
+def _get_twice_on_one_connection(url: str, path: str, idle_s: float) -> tuple[bytes, bytes]:
+    """Two GETs on one keep-alive socket, `idle_s` apart: the status lines (b"" once the server has closed)."""
+    host, port = url.removeprefix("http://").split(":")
+    request = f"GET {path} HTTP/1.1\r\nHost: {host}\r\n\r\n".encode()
+    with socket.create_connection((host, int(port)), timeout=10) as sock, sock.makefile("rb") as f:
+        lines = []
+        for i in range(2):
+            time.sleep(idle_s if i else 0)
+            try:
+                sock.sendall(request)
+                status = f.readline()
+            except OSError:  # reset by a server that closed the connection
+                status = b""
+            lines.append(status)
+            length = 0
+            while (header := f.readline()) not in (b"\r\n", b""):
+                if header.lower().startswith(b"content-length:"):
+                    length = int(header.split(b":")[1])
+            f.read(length)
+    return lines[0], lines[1]
+
+
+def test_idle_keep_alive_connections_outlive_client_pools(fleet):
+    """A connection idle past httpx's and the openai SDK's 5 s expiry is still open on both servers: the client
+    closes it first, so no request is ever written into a connection the server is closing."""
+    workers, gateways = fleet
+    for url, path in ((gateways["ours"].url, "/health/liveliness"), (workers[0].url, "/load")):
+        first, second = _get_twice_on_one_connection(url, path, idle_s=6.0)
+        assert first.startswith(b"HTTP/1.1 200") and second.startswith(b"HTTP/1.1 200"), (url, first, second)
 
 
 # ---- 2. queue-depth routing against simple-shuffle, same load, same run ----

@@ -16,6 +16,10 @@ from pagefleet.worker.entrypoints.reasoning import REASONING_PARSERS
 from pagefleet.worker.entrypoints.tool_parsers import TOOL_PARSERS
 
 log = logging.getLogger("pagefleet.server")
+# Longer than the idle expiry of the pools that call us (httpx and the openai SDK 5 s, aiohttp 15 s): with
+# uvicorn's own 5 s both ends close at the same instant, and a request written into a connection the server is
+# closing fails with "Server disconnected without sending a response". The client has to expire first.
+KEEP_ALIVE_S = 75.0
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     a = parser.add_argument
@@ -38,6 +42,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="the model's tool-call format (default: from the model family; hermes for Qwen and others)")
     a("--reasoning-parser", choices=REASONING_PARSERS, default=None,
       help="split a reply's <think> block into reasoning_content")
+    a("--timeout-keep-alive", type=float, default=KEEP_ALIVE_S,
+      help="seconds an idle HTTP keep-alive connection stays open")
     a("--disable-access-log", action="store_true")
     a("--log-level", default="info")
 
@@ -117,7 +123,8 @@ def run(args: argparse.Namespace) -> int:
         app = build_app(engine, args.served_model_name, api_key, args.max_queue, args.enable_rl_endpoints,
                         args.tool_call_parser, args.enable_auto_tool_choice, args.reasoning_parser)
         uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                   access_log=not args.disable_access_log, timeout_graceful_shutdown=5)
+                                   access_log=not args.disable_access_log, timeout_graceful_shutdown=5,
+                                   timeout_keep_alive=args.timeout_keep_alive)
         freeze_startup_heap()  # full GC passes over the start-up heap paused the engine for ~250 ms each
         asyncio.run(_DrainingServer(uv_config, app.state.server, args.drain_timeout).serve())
     finally:
