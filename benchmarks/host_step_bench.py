@@ -1,0 +1,275 @@
+"""The engine's host time per step, by phase, on the CPU: where a step's time goes besides the forward.
+
+On a GPU a small model's decode step is host-bound (SmolLM2-135M at 256 sequences: the forward is far shorter
+than the step), so this measures the host part alone: an engine on the CPU with a tiny random-weight Llama
+(transformers' own classes, the bundled tokenizer where installed), its methods wrapped with perf_counter
+from the outside. Phases per step (microseconds):
+  schedule   Scheduler.schedule
+  launch     EngineStep._launch less the runner's run and the sampling below (token bookkeeping, forks)
+  prepare    ModelRunner.prepare: the step's host arrays (step_inputs.prepare)
+  run-other  ModelRunner.run less prepare and forward: uploads, attention metadata (device copies on a GPU)
+  forward    the model's forward and logits: the CPU stand-in for device time, reported apart from the host
+  sample     SamplingState.rows / .processed: the sampler's per-row records (host)
+  sample-dev the rest of sampling: the sampling kernel (device time on a GPU) and the token copy
+  resolve    EngineStep._resolve: tokens into sequences, finish rules, incremental detokenisation, hashing
+  outputs    LLMEngine._outputs: RequestOutputs (offline: finished requests only)
+  host       the step less forward and sample-dev
+Workloads: grpo (32 prompts x n=8 samples, 128 tokens, temperature 1, a seed per request) and greedy (256
+prompts, 128 tokens, temperature 0); both run 256 sequences at once.
+Usage: python3 benchmarks/host_step_bench.py [--compare REV] [--workloads grpo,greedy] [--repeats 2] [--rounds 2]
+  --compare REV: the same run on REV's tree (git archive into /tmp) and on this one, side by side, and the ratio;
+  the trees' engines alternate (--rounds each) and the run with the least host time counts, as the machine's
+  speed drifts by 20 % between minutes. The outputs' digests are compared too: they must be identical.
+  Run it from /tmp or the repo root with python3 benchmarks/host_step_bench.py (not python -m).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+PHASES = ("schedule", "launch", "prepare", "run-other", "forward", "sample", "sample-dev", "resolve", "outputs",
+          "host", "step")
+# package name -> folder, as pyproject.toml's package-dir maps them
+PACKAGE_DIRS = {"pagefleet": "pagefleet", "pagefleet.worker": "worker", "pagefleet.kernels": "kernels",
+                "pagefleet.operator": "operator", "pagefleet.gateway": "gateway"}
+START = time.time()
+# glibc keeps freed memory instead of handing every large tensor back to the kernel: on the CPU a step frees its
+# logits (MBs), and munmap plus the page faults of the next step's allocation cost milliseconds the GPU's caching
+# allocator never pays; they would land on whichever phase dropped the last reference
+MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(1 << 32), "MALLOC_TRIM_THRESHOLD_": str(1 << 36),
+          "MALLOC_TOP_PAD_": str(1 << 30)}
+
+
+def log(text: str) -> None:
+    print(f"[{time.time() - START:6.1f}s] {text}", file=sys.stderr, flush=True)
+
+
+def use_tree(tree: Path) -> None:
+    """Import pagefleet from another tree (an older commit's) instead of the installed one."""
+    from importlib.machinery import PathFinder
+    from importlib.util import spec_from_file_location
+
+    class TreeFinder:
+        @classmethod
+        def find_spec(cls, fullname, path=None, target=None):
+            if fullname in PACKAGE_DIRS:
+                return spec_from_file_location(fullname, tree / PACKAGE_DIRS[fullname] / "__init__.py")
+            parent = fullname.rpartition(".")[0]
+            if parent in PACKAGE_DIRS:
+                return PathFinder.find_spec(fullname, [str(tree / PACKAGE_DIRS[parent])])
+            return None
+
+    sys.meta_path.insert(0, TreeFinder)
+
+
+def tiny_llama(folder: Path) -> Path:
+    """A 2-layer random-weight Llama, vocabulary 8192 (ids any tokenizer decodes), written with save_pretrained."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from pagefleet.worker.entrypoints.cli.bench_serve import write_word_tokenizer
+    from pagefleet.worker.models.loader import ModelFolderError, bundled_model_path
+
+    if (folder / "config.json").exists():
+        return folder
+    config = LlamaConfig(vocab_size=8192, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, eos_token_id=2,
+                         bos_token_id=1, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).eval().save_pretrained(folder)
+    try:
+        AutoTokenizer.from_pretrained(bundled_model_path()).save_pretrained(folder)
+    except ModelFolderError:
+        write_word_tokenizer(str(folder))
+    return folder
+
+
+class PhaseTimer:
+    """Wraps engine methods on their instances and sums each one's time within the current step."""
+
+    def __init__(self):
+        self.now: dict[str, float] = defaultdict(float)
+        self.steps: list[dict[str, float]] = []
+
+    def wrap(self, obj, name: str, phase: str) -> None:
+        inner = getattr(obj, name)
+        now = self.now
+
+        def timed(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                now[phase] += time.perf_counter() - t
+
+        setattr(obj, name, timed)
+
+    def end_step(self, running: int) -> None:
+        record = dict(self.now)
+        record["running"] = running
+        self.steps.append(record)
+        self.now.clear()
+
+
+def instrument(engine) -> PhaseTimer:
+    timer = PhaseTimer()
+    runner = engine.runner
+    timer.wrap(engine.scheduler, "schedule", "schedule")
+    timer.wrap(engine, "_launch", "launch")
+    timer.wrap(runner, "run", "run")
+    timer.wrap(runner, "prepare", "prepare")
+    timer.wrap(runner.model, "forward", "forward")
+    timer.wrap(runner.model, "compute_logits", "forward")
+    timer.wrap(runner, "sample_async", "sample-all")
+    timer.wrap(runner.sampler.state, "rows", "sample")
+    timer.wrap(runner.sampler.state, "processed", "sample")
+    timer.wrap(engine, "_resolve", "resolve")
+    timer.wrap(engine, "_outputs", "outputs")
+    step = engine.step
+
+    def timed_step():
+        t = time.perf_counter()
+        try:
+            return step()
+        finally:
+            timer.now["step"] += time.perf_counter() - t
+            timer.end_step(len(engine.scheduler.running))
+
+    engine.step = timed_step
+    return timer
+
+
+def phases(record: dict[str, float]) -> dict[str, float]:
+    """One step's exclusive phase times from the wrapped (nested) ones."""
+    g = defaultdict(float, record)
+    out = {
+        "schedule": g["schedule"], "prepare": g["prepare"], "forward": g["forward"], "sample": g["sample"],
+        "sample-dev": g["sample-all"] - g["sample"], "run-other": g["run"] - g["prepare"] - g["forward"],
+        "launch": g["launch"] - g["run"] - g["sample-all"], "resolve": g["resolve"],
+        "outputs": g["outputs"], "step": g["step"],
+    }
+    out["host"] = out["step"] - out["forward"] - out["sample-dev"]
+    return out
+
+
+def workload(name: str):
+    from pagefleet.worker.core.sampling_params import SamplingParams
+
+    if name == "grpo":
+        prompts = [[(p * 131 + i * 7) % 8000 + 100 for i in range(48 + p % 17)] for p in range(32)]
+        params = [SamplingParams(n=8, temperature=1.0, max_tokens=128, seed=1000 + p, ignore_eos=True)
+                  for p in range(32)]
+        return prompts, params
+    if name == "greedy":
+        prompts = [[(p * 37 + i * 11) % 8000 + 100 for i in range(24 + p % 9)] for p in range(256)]
+        return prompts, [SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True)] * 256
+    raise SystemExit(f"unknown workload {name!r}: grpo or greedy")
+
+
+def measure(workloads: list[str], repeats: int) -> dict:
+    """Per workload: mean microseconds per step by phase over the steps running >= 200 sequences (the best of
+    `repeats` runs by host time), the step count, and a digest of the outputs (equal across trees)."""
+    import hashlib
+
+    from pagefleet.worker.engine.llm import LLM
+
+    folder = tiny_llama(Path(tempfile.gettempdir()) / "pagefleet-host-step-llama")
+    llm = LLM(str(folder), device="cpu", max_model_len=512, max_num_seqs=256, max_num_batched_tokens=4096,
+              num_gpu_blocks_override=4096, cpu_threads=1)
+    timer = instrument(llm.engine)
+    results = {}
+    for name in workloads:
+        prompts, params = workload(name)
+        best = None
+        for r in range(repeats):
+            llm.engine.block_manager.reset_prefix_cache()
+            timer.steps.clear()
+            outs = llm.generate(prompts, params)
+            digest = hashlib.sha256(json.dumps([[(o.token_ids, o.text) for o in out.outputs] for out in outs])
+                                    .encode()).hexdigest()[:16]
+            full = [phases(s) for s in timer.steps if s["running"] >= 200]
+            mean = {p: 1e6 * sum(s[p] for s in full) / len(full) for p in PHASES}
+            log(f"{name} run {r + 1}/{repeats}: {len(timer.steps)} steps, {len(full)} at >= 200 sequences, "
+                f"host {mean['host']:.0f} us/step, forward {mean['forward']:.0f} us/step, outputs {digest}")
+            if best is None or mean["host"] < best["us"]["host"]:
+                best = {"us": mean, "steps": len(timer.steps), "full_steps": len(full), "digest": digest}
+        results[name] = best
+    return results
+
+
+def table(columns: dict[str, dict], workloads: list[str]) -> str:
+    """Rows: phases; a column of us/step per tree and workload, and the ratio new / old where there are two."""
+    names = list(columns)
+    lines = []
+    for w in workloads:
+        head = f"{w + ' (us/step)':<18}" + "".join(f"{n:>12}" for n in names)
+        if len(names) == 2:
+            head += f"{'new/old':>10}"
+        lines.append(head)
+        for p in PHASES:
+            vals = [columns[n][w]["us"][p] for n in names]
+            row = f"{p:<18}" + "".join(f"{v:>12.0f}" for v in vals)
+            if len(names) == 2:
+                row += f"{vals[1] / vals[0]:>10.2f}" if vals[0] > 0.5 else f"{'':>10}"
+            lines.append(row)
+        lines.append(f"{'steps':<18}" + "".join(f"{columns[n][w]['steps']:>12}" for n in names))
+        digests = {columns[n][w]["digest"] for n in names}
+        lines.append(f"{'outputs':<18}" + ("identical" if len(digests) == 1 else "DIFFER: " + " ".join(digests)))
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--compare", metavar="REV", help="also measure this git revision's tree, side by side")
+    ap.add_argument("--workloads", default="grpo,greedy")
+    ap.add_argument("--repeats", type=int, default=2, help="runs of each workload per engine (the best counts)")
+    ap.add_argument("--rounds", type=int, default=2, help="engines per tree, alternating between the trees")
+    ap.add_argument("--tree", help=argparse.SUPPRESS)  # child: import pagefleet from this tree
+    ap.add_argument("--json", help=argparse.SUPPRESS)  # child: write the results here
+    args = ap.parse_args()
+    workloads = args.workloads.split(",")
+    if args.tree:
+        use_tree(Path(args.tree))
+    if args.json:
+        Path(args.json).write_text(json.dumps(measure(workloads, args.repeats)))
+        return 0
+    columns = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        trees = [("this tree", REPO)]
+        if args.compare:
+            old = Path(tmp) / "old"
+            old.mkdir()
+            archive = subprocess.run(["git", "-C", str(REPO), "archive", args.compare, *PACKAGE_DIRS.values()],
+                                     check=True, capture_output=True).stdout
+            subprocess.run(["tar", "-x", "-C", str(old)], input=archive, check=True)
+            label = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", args.compare], check=True,
+                                   capture_output=True, text=True).stdout.strip()
+            trees.insert(0, (label, old))
+        for r in range(args.rounds):  # the trees alternate, so a slower minute of the machine hits both
+            for name, tree in trees:
+                log(f"round {r + 1}/{args.rounds}: {name} ({tree})")
+                out = Path(tmp) / "result.json"
+                subprocess.run([sys.executable, __file__, "--tree", str(tree), "--json", str(out), "--workloads",
+                                args.workloads, "--repeats", str(args.repeats)], check=True, cwd=tmp,
+                               env={**os.environ, **MALLOC})
+                result = json.loads(out.read_text())
+                for w, best in result.items():
+                    column = columns.setdefault(name, {})
+                    if w not in column or best["us"]["host"] < column[w]["us"]["host"]:
+                        column[w] = best
+    print(table(columns, workloads))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
