@@ -2,7 +2,8 @@
 
 The checkpoint and the LoRA adapters come from a node directory (hostPath) or a read-only claim; the
 worker never downloads at start. The one writable volume is the kernel cache. Pure functions of the
-InferenceService spec, as resources.py.
+InferenceService spec, as resources.py. A tensor-parallel group is one pod: its worker starts a process per GPU
+and serves on one port, so the pod stays one endpoint to the gateway.
 """
 
 from __future__ import annotations
@@ -26,7 +27,12 @@ LORA_VOLUME = "lora"
 LORA_MOUNT = "/adapters"
 KERNEL_CACHE_VOLUME = "kernel-cache"
 KERNEL_CACHE_MOUNT = "/var/cache/pagefleet"
+SHM_VOLUME = "dshm"
 DEFAULT_MAX_LORAS = 4
+TP_FLAG = "--tensor-parallel-size"
+# The ranks of a tensor-parallel group all-reduce over NVLink peer-to-peer. NVLink SHARP (multicast) needs the
+# fabric manager's multicast objects inside the container and holds GPU memory per communicator: off.
+TP_ENV = ({"name": "NCCL_NVLS_ENABLE", "value": "0"},)
 
 # Engine field -> worker flag, in the order they are rendered. Booleans are handled apart.
 ENGINE_VALUE_FLAGS = (
@@ -111,6 +117,10 @@ def lora_adapter_names(spec: Mapping[str, Any]) -> list[str]:
     return [a["name"] for a in (spec.get("lora") or {}).get("adapters", [])]
 
 
+def tensor_parallel_size(spec: Mapping[str, Any]) -> int:
+    return int((spec.get("engine") or {}).get("tensorParallelSize") or 1)
+
+
 def worker_args(spec: Mapping[str, Any]) -> list[str]:
     """The `pagefleet serve` flags for this spec; engine fields left unset keep the worker's defaults."""
     model = spec["model"]
@@ -131,6 +141,8 @@ def worker_args(spec: Mapping[str, Any]) -> list[str]:
         args.append("--no-enable-prefix-caching")
     if engine.get("enforceEager"):
         args.append("--enforce-eager")
+    if tensor_parallel_size(spec) > 1:
+        args += [TP_FLAG, str(tensor_parallel_size(spec))]
     args += lora_args(spec)
     args += [DRAIN_FLAG, str(drain_seconds(spec))]
     args += [str(a) for a in engine.get("extraArgs") or []]
@@ -181,15 +193,18 @@ def worker_container(spec: Mapping[str, Any]) -> dict[str, Any]:
             {"name": "HF_HUB_OFFLINE", "value": "1"},
             {"name": "TRANSFORMERS_OFFLINE", "value": "1"},
             {"name": "TRITON_CACHE_DIR", "value": f"{KERNEL_CACHE_MOUNT}/triton"},
-        ],
+        ] + ([dict(e) for e in TP_ENV] if tensor_parallel_size(spec) > 1 else []),
         "ports": [{"name": "http", "containerPort": WORKER_PORT, "protocol": "TCP"}],
-        "volumeMounts": [model_mount(model), {"name": "dshm", "mountPath": "/dev/shm"},
+        "volumeMounts": [model_mount(model), {"name": SHM_VOLUME, "mountPath": "/dev/shm"},
                          {"name": KERNEL_CACHE_VOLUME, "mountPath": KERNEL_CACHE_MOUNT}]
         + ([source_mount(LORA_VOLUME, spec["lora"], lora_root(spec["lora"]))] if spec.get("lora") else []),
         "startupProbe": _probe("/ready", STARTUP_PROBE),
         "readinessProbe": _probe("/ready", READINESS_PROBE),
         "livenessProbe": _probe("/health", LIVENESS_PROBE),
         "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_SLEEP_SECONDS}}},
+        # A worker that exits at start-up (a refused flag, a checkpoint it cannot read) leaves its last log
+        # lines as the termination message, which status.py puts into the InferenceService's conditions.
+        "terminationMessagePolicy": "FallbackToLogsOnError",
     }
     resources = container_resources(spec)
     if resources:
@@ -201,10 +216,20 @@ def volumes(spec: Mapping[str, Any]) -> list[dict[str, Any]]:
     """The pod's volumes: the checkpoint, shared memory, the kernel cache, and the adapters' source if any."""
     return [
         model_volume(spec["model"]),
-        # NCCL and tokenizer workers use shared memory; the container default of 64 MiB is too small.
-        {"name": "dshm", "emptyDir": {"medium": "Memory"}},
+        shm_volume(spec),
         kernel_cache_volume(spec),
     ] + ([source_volume(LORA_VOLUME, spec["lora"])] if spec.get("lora") else [])
+
+
+def shm_volume(spec: Mapping[str, Any]) -> dict[str, Any]:
+    """NCCL, tensor-parallel ranks and tokenizer workers use shared memory; the container default of 64 MiB is
+    too small. Without spec.resources.sharedMemory the tmpfs has no limit of its own: it is charged to the pod's
+    memory like any other page."""
+    empty_dir: dict[str, Any] = {"medium": "Memory"}
+    limit = (spec.get("resources") or {}).get("sharedMemory")
+    if limit is not None:
+        empty_dir["sizeLimit"] = str(limit)
+    return {"name": SHM_VOLUME, "emptyDir": empty_dir}
 
 
 def termination_grace_seconds(spec: Mapping[str, Any]) -> int:

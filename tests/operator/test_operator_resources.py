@@ -261,3 +261,51 @@ def test_no_lora_section_renders_no_lora_flags_volume_or_annotation():
     assert not any(a.startswith("--enable-lora") or a == "--lora-modules" for a in container(dep)["args"])
     assert all(v["name"] != "lora" for v in dep["spec"]["template"]["spec"]["volumes"])
     assert "pagefleet.io/lora-adapters" not in resources.service(body)["metadata"]["annotations"]
+
+
+# ---- tensor parallelism: one pod holds the group's GPUs -------------------------------------------
+
+def env_of(c):
+    return {e["name"]: e.get("value") for e in c["env"]}
+
+
+@pytest.mark.parametrize("size", [2, 4, 8])
+def test_tensor_parallel_size_becomes_the_flag_the_gpu_limit_and_nccl_env(size):
+    dep = resources.deployment(inference_service(engine={"tensorParallelSize": size},
+                                                 resources={"gpus": size, "memory": "64Gi"}))
+    c = container(dep)
+    assert flag(c["args"], worker_pod.TP_FLAG) == str(size) and c["args"].count(worker_pod.TP_FLAG) == 1
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == size
+    assert env_of(c)["NCCL_NVLS_ENABLE"] == "0"
+    # The group shares memory through /dev/shm: the memory-backed volume is there and mounted.
+    assert {"name": "dshm", "emptyDir": {"medium": "Memory"}} in dep["spec"]["template"]["spec"]["volumes"]
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in c["volumeMounts"]
+    # Still one container on one port: the pod is one endpoint to the gateway.
+    assert [p["containerPort"] for p in c["ports"]] == [worker_pod.WORKER_PORT]
+    assert len(dep["spec"]["template"]["spec"]["containers"]) == 1
+
+
+@pytest.mark.parametrize("engine", [None, {}, {"tensorParallelSize": 1}])
+def test_tensor_parallel_size_1_or_unset_renders_no_flag_and_no_nccl_env(engine):
+    c = container(resources.deployment(inference_service(**({"engine": engine} if engine is not None else {}))))
+    assert worker_pod.TP_FLAG not in c["args"]
+    assert "NCCL_NVLS_ENABLE" not in env_of(c)
+
+
+def test_tensor_parallel_on_cpu_requests_no_gpu_and_keeps_the_flag():
+    c = container(resources.deployment(inference_service(engine={"tensorParallelSize": 2}, resources={"gpus": 0})))
+    assert flag(c["args"], worker_pod.TP_FLAG) == "2"
+    assert "resources" not in c
+
+
+def test_shared_memory_sets_the_size_limit_of_dev_shm():
+    pod = resources.deployment(inference_service(resources={"gpus": 2, "sharedMemory": "8Gi"},
+                                                 engine={"tensorParallelSize": 2}))["spec"]["template"]["spec"]
+    assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "8Gi"}} in pod["volumes"]
+    # sharedMemory sizes the volume; it is not a container resource.
+    assert "sharedMemory" not in str(pod["containers"][0].get("resources"))
+
+
+def test_worker_falls_back_to_its_logs_for_the_termination_message():
+    # A worker refusing a flag exits before writing /dev/termination-log: its last log lines become the message.
+    assert container(resources.deployment(inference_service()))["terminationMessagePolicy"] == "FallbackToLogsOnError"
