@@ -88,7 +88,9 @@ def reconcile(body: kopf.Body, patch: kopf.Patch, logger: logging.Logger, **_: A
                 ", ".join(f"{m['kind']}/{m['metadata']['name']}" for m in manifests), body.metadata.get("generation"))
     patch.status["observedGeneration"] = body.metadata.get("generation")
     try:
-        patch.status.update(sweep.observed_status(client, _plain(body)))
+        observed = sweep.observed_status(client, _plain(body))
+        patch.status.update(observed)
+        sweep.report_worker_exit(client, _plain(body), observed)
     except (kube.ApiError, httpx.HTTPError) as err:
         # The children are applied; a failed read of them must not hold this handler in kopf's retry
         # backoff (60 s), which would delay the next spec change. The sweep refreshes status within seconds.

@@ -16,6 +16,9 @@ READY = "Ready"
 MODEL_SOURCE_AVAILABLE = "ModelSourceAvailable"
 PROGRESSING = "Progressing"
 IDLE = "Idle"  # the condition, only with scale to zero: True while at 0 replicas
+# True while a worker that exited with an error has not started again: a flag refused at start-up, a checkpoint
+# it cannot read, an out-of-memory kill. Its reason is also the reason of the Warning Event posted with it.
+DEGRADED, WORKER_EXITED = "Degraded", "WorkerExited"
 
 PENDING, LOADING, PROGRESSING_PHASE, READY_PHASE, FAILED, STOPPED, IDLE_PHASE = (
     "Pending", "Loading", "Progressing", "Ready", "Failed", "Stopped", "Idle")
@@ -51,6 +54,13 @@ def endpoints(pods: Sequence[Mapping[str, Any]], port: int) -> list[str]:
     return sorted(f"http://{p['status']['podIP']}:{port}" for p in pods if pod_is_ready(p))
 
 
+def last_line(message: str | None) -> str:
+    """The last non-empty line of a termination message. The worker container's policy is FallbackToLogsOnError,
+    so the message of a worker that wrote none is its log's tail, and the error it exited with is the last line."""
+    lines = [line.strip() for line in (message or "").splitlines() if line.strip()]
+    return lines[-1] if lines else ""
+
+
 def crash_looping(pods: Sequence[Mapping[str, Any]]) -> str | None:
     """A message about the first worker container stuck in CrashLoopBackOff, if any."""
     for pod in pods:
@@ -58,9 +68,47 @@ def crash_looping(pods: Sequence[Mapping[str, Any]]) -> str | None:
             waiting = (cs.get("state") or {}).get("waiting") or {}
             if waiting.get("reason") == "CrashLoopBackOff":
                 last = ((cs.get("lastState") or {}).get("terminated") or {})
-                detail = last.get("message") or last.get("reason") or waiting.get("message") or ""
+                detail = last_line(last.get("message")) or last.get("reason") or waiting.get("message") or ""
                 restarts = cs.get("restartCount", 0)
                 return f"pod {pod['metadata']['name']} keeps crashing (restarts: {restarts}) {detail}".strip()
+    return None
+
+
+def failed_termination(cs: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    """The failed exit of a container that has not started since: it is terminated with a non-zero code now,
+    or waits in CrashLoopBackOff, or runs again unstarted, after one. None for a container that started."""
+    state, last = cs.get("state") or {}, (cs.get("lastState") or {}).get("terminated")
+    if cs.get("started") or cs.get("ready"):
+        return None
+    now = state.get("terminated")
+    if now:
+        return now if now.get("exitCode", 0) != 0 else None
+    if last and last.get("exitCode", 0) != 0 and ("waiting" in state or "running" in state):
+        return last
+    return None
+
+
+def start_failure(pods: Sequence[Mapping[str, Any]]) -> str | None:
+    """A message about the first worker that exited before it started, with the error it printed, if any."""
+    for pod in pods:
+        for cs in pod.get("status", {}).get("containerStatuses") or []:
+            failed = failed_termination(cs)
+            if failed is None:
+                continue
+            detail = last_line(failed.get("message")) or failed.get("reason") or "no message"
+            return (f"pod {pod['metadata']['name']}: worker exited with code {failed.get('exitCode')} "
+                    f"(restarts: {cs.get('restartCount', 0)}): {detail}")
+    return None
+
+
+def start_failure_event(current: Mapping[str, Any], observed: Mapping[str, Any]) -> str | None:
+    """The message of the WorkerExited Event to post: the Degraded condition of `observed` turns True (it
+    is not True in the `current` status). Once per failure, not once per restart of the crash loop."""
+    def degraded(st: Mapping[str, Any]) -> Mapping[str, Any]:
+        return next((c for c in st.get("conditions") or [] if c.get("type") == DEGRADED), {})
+    new = degraded(observed)
+    if new.get("status") == "True" and degraded(current).get("status") != "True":
+        return new.get("message")
     return None
 
 
@@ -94,10 +142,11 @@ def compute(body: Mapping[str, Any], deployment: Mapping[str, Any] | None, pods:
     urls = endpoints(live, port)
     ready = len(urls)
     crash = crash_looping(live)
+    start_failed = start_failure(live) if desired > 0 else None
     done = rollout_complete(deployment, desired) and len(live) == desired
 
     to_zero = scale_to_zero.enabled(body["spec"])
-    if source.available is False:
+    if source.available is False or (start_failed and ready == 0):
         phase = FAILED
     elif desired == 0:
         phase = IDLE_PHASE if to_zero else STOPPED
@@ -114,6 +163,8 @@ def compute(body: Mapping[str, Any], deployment: Mapping[str, Any] | None, pods:
         ready_cond = (False, "ModelSourceUnavailable", source.message)
     elif crash:
         ready_cond = (False, "WorkerCrashLoop", crash)
+    elif start_failed:
+        ready_cond = (False, WORKER_EXITED, start_failed)
     elif desired == 0:
         ready_cond = (False, "ScaledToZero", "idle at 0 replicas: a request at the gateway starts a worker"
                       if to_zero else "spec.replicas is 0")
@@ -136,6 +187,9 @@ def compute(body: Mapping[str, Any], deployment: Mapping[str, Any] | None, pods:
         condition(previous, READY, *ready_cond, generation, now),
         condition(previous, MODEL_SOURCE_AVAILABLE, source.available, source.reason, source.message, generation, now),
         condition(previous, PROGRESSING, *progressing, generation, now),
+        condition(previous, DEGRADED, *((True, WORKER_EXITED, start_failed) if start_failed else
+                                        (False, "NoStartFailures", "no worker has exited before it started")),
+                  generation, now),
     ]
     if to_zero:
         after = body["spec"]["autoscaling"].get("scaleToZeroAfterSeconds")

@@ -43,6 +43,15 @@ def _made_by_replicaset(pod: Mapping[str, Any]) -> bool:
     return any(ref.get("kind") == "ReplicaSet" for ref in pod["metadata"].get("ownerReferences") or [])
 
 
+def report_worker_exit(client: kube.Kube, body: Mapping[str, Any], observed: Mapping[str, Any]) -> None:
+    """A Warning Event when the Degraded condition turns True, after its status is written: `kubectl describe`
+    lists it under the conditions, with the error the worker exited with."""
+    message = status.start_failure_event(body.get("status") or {}, observed)
+    if message:
+        log.warning("%s/%s: %s", body["metadata"]["namespace"], body["metadata"]["name"], message)
+        client.post_event(body, "Warning", status.WORKER_EXITED, message)
+
+
 class Sweeper:
     """Every `status_interval` seconds: refresh each InferenceService's status and bring its workers'
     LoRA adapters in line with spec.lora; every `autoscale_interval`, probe the queues of those with
@@ -91,10 +100,12 @@ class Sweeper:
 
     def refresh_status(self, body: Mapping[str, Any]) -> None:
         """Patches the status fields that differ from what the children show."""
-        changes = status.changed_fields(body.get("status") or {}, observed_status(self.client, body))
+        observed = observed_status(self.client, body)
+        changes = status.changed_fields(body.get("status") or {}, observed)
         if changes:
             meta = body["metadata"]
             self.client.patch_status(meta["namespace"], meta["name"], changes)
+            report_worker_exit(self.client, body, observed)
 
     async def ready_workers(self, namespace: str, name: str) -> list[str]:
         """URLs of the InferenceService's ready worker pods, read now."""

@@ -1,5 +1,7 @@
 """Status from the observed Deployment, pods and model source (no cluster)."""
 
+import pytest
+
 from pagefleet.operator import status
 
 NOW = "2026-11-29T10:00:00Z"
@@ -145,3 +147,79 @@ def test_hostpath_source_checks():
     # A failure event of a pod that has since started (the directory appeared) no longer counts.
     running = pod("a", "127.0.0.2", True)
     assert status.check_source(model, None, {"a": "old failure"}, [running]).available is True
+
+
+# ---- a worker that exits at start-up: its message in the conditions -------------------------------
+
+REFUSAL = "pagefleet serve: tensor_parallel_size 3 does not divide the model's 32 attention heads"
+# FallbackToLogsOnError: the kubelet copies the log's tail; the error the worker exited with is its last line.
+LOG_TAIL = f"INFO loading config from /models/m\nINFO tensor parallel: 3 ranks\n{REFUSAL}\n"
+
+
+def exited_pod(name, state, last=None, restarts=0):
+    cs = {"name": "worker", "started": False, "ready": False, "restartCount": restarts, "state": state}
+    if last:
+        cs["lastState"] = {"terminated": last}
+    return {"metadata": {"name": name}, "status": {
+        "podIP": "127.0.0.2", "containerStatuses": [cs], "conditions": [{"type": "Ready", "status": "False"}]}}
+
+
+TERMINATED = {"terminated": {"exitCode": 2, "reason": "Error", "message": LOG_TAIL}}
+
+
+@pytest.mark.parametrize("state, last", [
+    (TERMINATED, None),  # exited just now
+    ({"waiting": {"reason": "CrashLoopBackOff"}}, TERMINATED["terminated"]),  # waiting to be restarted
+    ({"running": {}}, TERMINATED["terminated"]),  # restarted, not started yet
+])
+def test_worker_exit_before_start_is_degraded_with_its_message(state, last):
+    pods = [exited_pod("chat-1", state, last, restarts=3)]
+    st = status.compute(body(), deployment(1, 1, 0), pods, UNKNOWN, desired=1, port=8000, now=NOW)
+    degraded = conditions_by_type(st)["Degraded"]
+    assert degraded["status"] == "True" and degraded["reason"] == "WorkerExited"
+    assert degraded["message"] == f"pod chat-1: worker exited with code 2 (restarts: 3): {REFUSAL}"
+    assert st["phase"] == "Failed"  # no worker ready and one failing: `kubectl get infsvc` says so
+    ready = conditions_by_type(st)["Ready"]
+    assert ready["status"] == "False" and REFUSAL in ready["message"] and "INFO" not in ready["message"]
+
+
+def test_started_workers_and_clean_exits_are_not_degraded():
+    fine = [pod("a", "127.0.0.2", True), pod("b", "127.0.0.3", False, started=False)]
+    # A container that started, or one that exited 0, is no start failure.
+    fine.append(exited_pod("c", {"terminated": {"exitCode": 0, "reason": "Completed"}}))
+    st = status.compute(body(), deployment(3, 3, 1), fine, MOUNTED, desired=3, port=8000, now=NOW)
+    degraded = conditions_by_type(st)["Degraded"]
+    assert degraded["status"] == "False" and degraded["reason"] == "NoStartFailures"
+    assert st["phase"] == "Progressing"
+
+
+def test_one_failing_worker_beside_ready_ones_is_degraded_not_failed():
+    pods = [pod("a", "127.0.0.2", True), exited_pod("b", {"waiting": {"reason": "CrashLoopBackOff"}},
+                                                    {"exitCode": 137, "reason": "OOMKilled"}, restarts=1)]
+    st = status.compute(body(), deployment(2, 2, 1), pods, MOUNTED, desired=2, port=8000, now=NOW)
+    assert st["phase"] == "Progressing" and conditions_by_type(st)["Ready"]["status"] == "True"
+    # No message (the kubelet killed it): the termination reason says what happened.
+    degraded = conditions_by_type(st)["Degraded"]
+    assert degraded["message"] == "pod b: worker exited with code 137 (restarts: 1): OOMKilled"
+
+
+def test_worker_exited_event_once_when_degraded_turns_true():
+    pods = [exited_pod("chat-1", TERMINATED)]
+    healthy = status.compute(body(), deployment(1, 1, 0), [pod("a", "127.0.0.2", False)], UNKNOWN, desired=1,
+                             port=8000, now=NOW)
+    failing = status.compute(body(conditions=healthy["conditions"]), deployment(1, 1, 0), pods, UNKNOWN, desired=1,
+                             port=8000, now=LATER)
+    event = status.start_failure_event(healthy, failing)
+    assert event == f"pod chat-1: worker exited with code 2 (restarts: 0): {REFUSAL}"
+    assert status.start_failure_event({}, failing) is not None  # a status never written before
+    # Still failing on the next pass (another restart): no second Event.
+    again = status.compute(body(conditions=failing["conditions"]), deployment(1, 1, 0),
+                           [exited_pod("chat-1", {"waiting": {"reason": "CrashLoopBackOff"}}, TERMINATED["terminated"],
+                                       restarts=1)], UNKNOWN, desired=1, port=8000, now=LATER)
+    assert status.start_failure_event(failing, again) is None
+    assert status.start_failure_event(failing, healthy) is None
+
+
+def test_last_line_of_a_termination_message():
+    assert status.last_line(LOG_TAIL) == REFUSAL
+    assert status.last_line("  \n") == "" and status.last_line(None) == ""
