@@ -1,7 +1,11 @@
-"""The InferenceService CRD: names, subresources, columns, schema shape; the chart ships the same file."""
+"""The InferenceService CRD: names, subresources, columns, schema shape, the spec's CEL rules run on specs; the chart
+ships the same file."""
 
+import copy
 from pathlib import Path
 
+import jsonschema
+import pytest
 import yaml
 
 from pagefleet.operator import resources
@@ -65,7 +69,8 @@ def test_spec_fields_and_rules():
     assert cache_path["x-kubernetes-validations"][0]["rule"] == "self.startsWith('/')"
     engine = spec["properties"]["engine"]["properties"]
     assert set(engine) == {"gpuMemoryFraction", "maxModelLen", "maxNumSeqs", "maxNumBatchedTokens", "blockSize",
-                           "enablePrefixCaching", "enforceEager", "dtype", "quantization", "extraArgs"}
+                           "enablePrefixCaching", "enforceEager", "dtype", "quantization", "extraArgs",
+                           "tensorParallelSize"}
     fraction = engine["gpuMemoryFraction"]
     assert (fraction["minimum"], fraction["exclusiveMinimum"], fraction["maximum"]) == (0, True, 1)
     autoscaling = spec["properties"]["autoscaling"]
@@ -119,3 +124,103 @@ def _all_rules(node):
     if "items" in node:
         rules += _all_rules(node["items"])
     return rules
+
+
+# ---- tensor parallelism: the rules evaluated, as the API server does ------------------------------
+# The spec-level CEL rules run in a CEL interpreter (common-expression-language) on the spec after the schema's
+# defaults are applied, the order the API server validates in; the bounds (enum, minimum) run in a JSON Schema
+# validator. What only the API server checks (the rules' cost estimate, Kubernetes' CEL library such as
+# isQuantity) is e2e/test_operator.py's.
+
+def test_tensor_parallel_size_field():
+    field = schema()["properties"]["spec"]["properties"]["engine"]["properties"]["tensorParallelSize"]
+    assert field["type"] == "integer" and field["enum"] == [1, 2, 4, 8] and "default" not in field
+    assert "spec.resources.gpus" in field["description"]
+
+
+def defaulted(node, value):
+    """`value` with the schema's defaults filled in, as the API server's structural defaulting does: a default
+    is set where a property is missing, then the defaults inside it (resources: {} gets gpus: 1)."""
+    if not isinstance(value, dict) or node.get("type") != "object":
+        return value
+    out = dict(value)
+    for name, prop in (node.get("properties") or {}).items():
+        if name not in out and "default" in prop:
+            out[name] = copy.deepcopy(prop["default"])
+    return {k: defaulted((node.get("properties") or {}).get(k, {}), v) for k, v in out.items()}
+
+
+SPEC_RULES = schema()["properties"]["spec"]["x-kubernetes-validations"]
+TP_RULE = next(r for r in SPEC_RULES if "tensorParallelSize" in r["rule"] and "gpus" in r["rule"])
+TP_LORA_RULE = next(r for r in SPEC_RULES if "tensorParallelSize" in r["rule"] and "lora" in r["rule"])
+MODEL = {"name": "m", "hostPath": {"path": "/m"}}
+LORA = {"hostPath": {"path": "/a"}, "adapters": [{"name": "x", "path": "x"}]}
+
+
+def refusals(spec):
+    """The messages of the spec-level rules that refuse `spec` (messageExpression where the rule has one)."""
+    cel = pytest.importorskip("cel", reason="the CRD's CEL rules are evaluated with common-expression-language")
+    context = {"self": defaulted(schema()["properties"]["spec"], spec)}
+    messages = []
+    for rule in SPEC_RULES:
+        if not cel.evaluate(rule["rule"], context):
+            messages.append(cel.evaluate(rule["messageExpression"], context) if "messageExpression" in rule
+                            else rule["message"])
+    return messages
+
+
+@pytest.mark.parametrize("engine, resources", [
+    (None, None), ({}, None), ({"tensorParallelSize": 1}, None), ({"tensorParallelSize": 1}, {"gpus": 1}),
+    ({"tensorParallelSize": 2}, {"gpus": 2}), ({"tensorParallelSize": 8}, {"gpus": 8}),
+    ({"tensorParallelSize": 4}, {"gpus": 0}),  # the CPU: the ranks talk over gloo
+    ({"maxNumSeqs": 8}, {"gpus": 4}),  # no tensorParallelSize: gpus is left to the user (a worker may use one)
+])
+def test_tensor_parallel_specs_the_rules_accept(engine, resources):
+    spec = {"model": MODEL}
+    if engine is not None:
+        spec["engine"] = engine
+    if resources is not None:
+        spec["resources"] = resources
+    assert refusals(spec) == []
+
+
+def test_tensor_parallel_size_with_the_default_one_gpu_is_refused_with_the_fix():
+    (message,) = refusals({"model": MODEL, "engine": {"tensorParallelSize": 2}})
+    assert message == ("spec.resources.gpus is 1 (the default when unset) but spec.engine.tensorParallelSize is 2: "
+                       "one pod holds all the GPUs of its tensor-parallel group, so set spec.resources.gpus to 2 "
+                       "(or to 0 to run on the CPU)")
+    # resources present without gpus: the nested default (1) applies all the same.
+    assert refusals({"model": MODEL, "engine": {"tensorParallelSize": 2}, "resources": {"memory": "8Gi"}}) == [
+        message]
+
+
+def test_tensor_parallel_size_and_another_gpu_count_is_refused():
+    (message,) = refusals({"model": MODEL, "engine": {"tensorParallelSize": 4}, "resources": {"gpus": 2}})
+    assert message.startswith("spec.resources.gpus is 2 but spec.engine.tensorParallelSize is 4:")
+    assert "set spec.resources.gpus to 4" in message and "default" not in message
+    assert TP_RULE["message"].startswith("spec.resources.gpus must equal spec.engine.tensorParallelSize")
+
+
+def test_tensor_parallel_with_lora_is_refused():
+    spec = {"model": MODEL, "lora": LORA, "engine": {"tensorParallelSize": 2}, "resources": {"gpus": 2}}
+    assert refusals(spec) == [TP_LORA_RULE["message"]]
+    assert "spec.lora" in TP_LORA_RULE["message"] and "tensorParallelSize 1" in TP_LORA_RULE["message"]
+    assert refusals({**spec, "engine": {"tensorParallelSize": 1}, "resources": {"gpus": 1}}) == []
+
+
+def test_spec_rules_need_no_defaults_to_evaluate():
+    """The has() guards: an object read without resources or engine evaluates instead of erroring."""
+    cel = pytest.importorskip("cel", reason="the CRD's CEL rules are evaluated with common-expression-language")
+    for spec in ({"model": MODEL}, {"model": MODEL, "engine": {"tensorParallelSize": 2}},
+                 {"model": MODEL, "resources": {}}, {"model": MODEL, "lora": LORA, "engine": {}}):
+        for rule in SPEC_RULES:
+            assert cel.evaluate(rule["rule"], {"self": spec}) in (True, False), (rule["rule"], spec)
+
+
+@pytest.mark.parametrize("size, ok", [(1, True), (2, True), (3, False), (4, True), (6, False), (8, True),
+                                      (16, False), (0, False)])
+def test_tensor_parallel_size_enum(size, ok):
+    validator = jsonschema.Draft4Validator(schema())  # x-kubernetes-* keywords are ignored, bounds are not
+    body = {"spec": {"model": MODEL, "engine": {"tensorParallelSize": size}, "resources": {"gpus": size}}}
+    errors = [e.message for e in validator.iter_errors(body)]
+    assert (errors == []) == ok, errors
