@@ -129,8 +129,8 @@ def _all_rules(node):
 # ---- tensor parallelism: the rules evaluated, as the API server does ------------------------------
 # The spec-level CEL rules run in a CEL interpreter (common-expression-language) on the spec after the schema's
 # defaults are applied, the order the API server validates in; the bounds (enum, minimum) run in a JSON Schema
-# validator. What only the API server checks (the rules' cost estimate, Kubernetes' CEL library such as
-# isQuantity) is e2e/test_operator.py's.
+# validator. What only the API server checks (the rules' cost estimate, which refuses a messageExpression built on
+# string(int); Kubernetes' CEL library such as isQuantity) is e2e/test_operator.py's.
 
 def test_tensor_parallel_size_field():
     field = schema()["properties"]["spec"]["properties"]["engine"]["properties"]["tensorParallelSize"]
@@ -186,18 +186,18 @@ def test_tensor_parallel_specs_the_rules_accept(engine, resources):
 
 def test_tensor_parallel_size_with_the_default_one_gpu_is_refused_with_the_fix():
     (message,) = refusals({"model": MODEL, "engine": {"tensorParallelSize": 2}})
-    assert message == ("spec.resources.gpus is 1 (the default when unset) but spec.engine.tensorParallelSize is 2: "
-                       "one pod holds all the GPUs of its tensor-parallel group, so set spec.resources.gpus to 2 "
-                       "(or to 0 to run on the CPU)")
+    assert message == ("spec.resources.gpus must be 2 to match spec.engine.tensorParallelSize, or 0 to run on the "
+                       "CPU: one pod holds all the GPUs of its tensor-parallel group (gpus is 1 when unset)")
     # resources present without gpus: the nested default (1) applies all the same.
     assert refusals({"model": MODEL, "engine": {"tensorParallelSize": 2}, "resources": {"memory": "8Gi"}}) == [
         message]
 
 
-def test_tensor_parallel_size_and_another_gpu_count_is_refused():
-    (message,) = refusals({"model": MODEL, "engine": {"tensorParallelSize": 4}, "resources": {"gpus": 2}})
-    assert message.startswith("spec.resources.gpus is 2 but spec.engine.tensorParallelSize is 4:")
-    assert "set spec.resources.gpus to 4" in message and "default" not in message
+@pytest.mark.parametrize("size, gpus", [(4, 2), (8, 4), (2, 8), (1, 2)])
+def test_tensor_parallel_size_and_another_gpu_count_is_refused(size, gpus):
+    (message,) = refusals({"model": MODEL, "engine": {"tensorParallelSize": size}, "resources": {"gpus": gpus}})
+    assert message.startswith(f"spec.resources.gpus must be {size} to match spec.engine.tensorParallelSize,")
+    assert "when unset" not in message
     assert TP_RULE["message"].startswith("spec.resources.gpus must equal spec.engine.tensorParallelSize")
 
 
