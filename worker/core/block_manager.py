@@ -103,19 +103,25 @@ class BlockManager:
         return idx < len(seq.block_table) and self.blocks[seq.block_table[idx]].ref_count > 1
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
-        """Make room for the next `num_new_tokens` of `seq`; False (and nothing changed) if the pool is short."""
-        if self.blocks_needed(seq, num_new_tokens) > len(self.free):
+        """Make room for the next `num_new_tokens` of `seq`; False (and nothing changed) if the pool is short.
+        (blocks_needed and _needs_copy inlined: the scheduler calls this for every running sequence each step.)"""
+        bs, table = self.block_size, seq.block_table
+        idx = seq.num_computed_tokens // bs
+        copy = idx < len(table) and self.blocks[table[idx]].ref_count > 1
+        total = seq.num_computed_tokens + num_new_tokens
+        grow = -(-total // bs) - len(table)
+        if not copy and grow <= 0:  # a decode inside its own last block: nothing to do
+            return True
+        if max(grow, 0) + copy > len(self.free):
             return False
-        if self._needs_copy(seq):
-            idx = seq.num_computed_tokens // self.block_size
-            src = seq.block_table[idx]
+        if copy:
+            src = table[idx]
             dst = self._take()
             self._unref(src)
-            seq.block_table[idx] = dst
+            table[idx] = dst
             self.pending_copies.append((src, dst))
-        total = seq.num_computed_tokens + num_new_tokens
-        while len(seq.block_table) * self.block_size < total:
-            seq.block_table.append(self._take())
+        while len(table) * bs < total:
+            table.append(self._take())
         return True
 
     def match_prefix(self, seq: Sequence) -> int:
@@ -157,6 +163,8 @@ class BlockManager:
         """Hash the blocks this step filled, so later requests can find them."""
         bs = self.block_size
         full = seq.num_computed_tokens // bs
+        if full <= len(seq.block_hashes) and self.state is None:  # most calls: no block filled since the last
+            return
         parent = seq.block_hashes[-1] if seq.block_hashes else None
         for i in range(len(seq.block_hashes), full):
             tokens = seq.token_ids[i * bs : (i + 1) * bs]

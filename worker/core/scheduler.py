@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pagefleet.worker.core.block_manager import BlockManager
 from pagefleet.worker.core.sequence import Sequence, SequenceStatus
 
+RUNNING = SequenceStatus.RUNNING
+
 
 @dataclass
 class ScheduledBatch:
@@ -48,24 +50,28 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
-        scheduled: set[int] = set()
-        # 1. Running sequences: decodes and unfinished prompt chunks.
+        bm = self.block_manager
+        stateful = bm.state is not None  # without recurrent state, chunks never end at a snapshot boundary
+        seqs, counts = batch.seqs, batch.num_new_tokens
+        # 1. Running sequences: decodes and unfinished prompt chunks (every running sequence: kept to reads).
         for seq in list(self.running):
             if budget == 0:
                 break
-            if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
+            if seq.status is not RUNNING:  # preempted earlier in this loop
                 continue
-            n = self.block_manager.state_chunk(seq, min(seq.num_uncomputed_tokens, budget))
-            while not self.block_manager.allocate(seq, n):
+            n = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
+            if stateful:
+                n = bm.state_chunk(seq, n)
+            while not bm.allocate(seq, n):
                 victim = self.running[-1]
                 self._preempt(victim, batch)
                 if victim is seq:
                     break
-            if seq.status is SequenceStatus.RUNNING:
-                self.block_manager.plan_snapshot(seq, n)
-                batch.seqs.append(seq)
-                batch.num_new_tokens.append(n)
-                scheduled.add(seq.seq_id)
+            if seq.status is RUNNING:
+                if stateful:
+                    bm.plan_snapshot(seq, n)
+                seqs.append(seq)
+                counts.append(n)
                 budget -= n
         # 2. Waiting requests, oldest first, unless this step already had to preempt. The samples a running
         # parent still forks count against the sequence cap: they join the batch once its prompt is done, and
@@ -145,7 +151,7 @@ def _decodes_first(batch: ScheduledBatch) -> None:
     """One-token entries lead the batch, so attention runs them through the decode kernel and only
     the prompt chunks after them through the prefill kernel (stable: order within each group kept)."""
     counts = batch.num_new_tokens
-    if all(n == 1 for n in counts) or all(n > 1 for n in counts):
+    if counts.count(1) == len(counts) or all(n > 1 for n in counts):  # count: pure decode steps, in C
         return
     order = [i for i, n in enumerate(counts) if n == 1] + [i for i, n in enumerate(counts) if n > 1]
     batch.seqs = [batch.seqs[i] for i in order]
