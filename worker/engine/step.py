@@ -24,13 +24,14 @@ import numpy as np
 from pagefleet.worker.core.detokenizer import find_stop, update_text
 from pagefleet.worker.core.outputs import RequestOutput
 from pagefleet.worker.core.scheduler import ScheduledBatch
-from pagefleet.worker.core.sequence import Sequence
+from pagefleet.worker.core.sequence import Sequence, SequenceStatus
 from pagefleet.worker.engine.stats import StepRecord
 
 if TYPE_CHECKING:
     from pagefleet.worker.engine.llm_engine import Request
 
 PLACEHOLDER = -1  # an output token still on the device (overlapped step)
+FINISHED = SequenceStatus.FINISHED
 GRAMMAR_WAIT_S = 0.01  # an empty step with grammars compiling waits this long for one, instead of spinning
 
 
@@ -122,16 +123,18 @@ class EngineStep:
         logits = self.runner.run(batch, feed)
         sampling: list[Sequence] = []
         num_prefill = num_decode = 0
-        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
-            fed = seq.token_ids[-1] == PLACEHOLDER
-            if seq.num_computed_tokens + 1 == seq.num_tokens and n == 1:
+        commit = self.block_manager.commit_full_blocks
+        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):  # every running sequence: kept to reads
+            ids = seq.token_ids
+            computed, total = seq.num_computed_tokens, len(ids)
+            if computed + 1 == total and n == 1:
                 num_decode += 1
             else:
                 num_prefill += n
-            seq.num_computed_tokens += n
-            if not fed:  # a block holding a pending token is hashed when the token is known
-                self.block_manager.commit_full_blocks(seq)
-            if seq.num_computed_tokens == seq.num_tokens:  # a prompt chunk that is not the last samples nothing
+            seq.num_computed_tokens = computed = computed + n
+            if ids[-1] != PLACEHOLDER:  # a block holding a pending token is hashed when the token is known
+                commit(seq)
+            if computed == total:  # a prompt chunk that is not the last samples nothing
                 sampling.append(seq)
         if not sampling:
             return None, num_prefill, num_decode
@@ -152,11 +155,13 @@ class EngineStep:
                     return None, num_prefill, num_decode
                 sampling, logits = [sampling[i] for i in keep], logits[keep]
         tokens = self.runner.sample_async(logits, sampling)
+        max_model_len = self.max_model_len
         for seq in sampling:
-            seq.token_ids.append(PLACEHOLDER)  # the real id arrives when this step is resolved
-            p = seq.params
-            if ((p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens)
-                    or seq.num_tokens >= self.max_model_len):
+            ids = seq.token_ids
+            ids.append(PLACEHOLDER)  # the real id arrives when this step is resolved
+            max_tokens = seq.params.max_tokens
+            if ((max_tokens is not None and len(ids) - seq.num_prompt_tokens >= max_tokens)
+                    or len(ids) >= max_model_len):
                 # Its last token is on its way: leave the batch now so the next step does not run it and
                 # its blocks serve the queue (stream order keeps this step's writes ahead of their reuse).
                 self.scheduler.retire(seq)
@@ -204,27 +209,35 @@ class EngineStep:
         relaunched: the sequences a later step is already running over this step's token (default: the pending
         step's)."""
         touched: dict[str, Request] = {}
+        requests = self.requests
         if step.logprobs is not None:  # read back at launch: nothing ran since
             for seq, token, logprob in zip(step.seqs, step.tokens, step.logprobs, strict=True):
-                touched[seq.request_id] = self.requests[seq.request_id]
+                touched[seq.request_id] = requests[seq.request_id]
                 self._append_token(seq, token, logprob)
             return touched
         if relaunched is None:
             relaunched = self.pending.seq_ids if self.pending is not None else set()
+        ended: set[str] = set()  # requests a sequence of which ends now
+        commit = self.block_manager.commit_full_blocks
         tokens = step.tokens.read()
         for seq, token, logprob in zip(step.seqs, tokens, step.tokens.logprobs(), strict=True):
-            if seq.is_finished:  # finished (or aborted) while this step ran: its token is dropped
+            if seq.status is FINISHED:  # finished (or aborted) while this step ran: its token is dropped
                 continue
             again = seq.seq_id in relaunched  # a later step is already running over this token
-            at = seq.num_tokens - (2 if again else 1)
-            assert seq.token_ids[at] == PLACEHOLDER
-            del seq.token_ids[at:]
+            ids = seq.token_ids
+            at = len(ids) - (2 if again else 1)
+            assert ids[at] == PLACEHOLDER
+            del ids[at:]
             self._append_token(seq, token, logprob)  # stop checks and text see only real tokens
-            if again and not seq.is_finished:
-                seq.token_ids.append(PLACEHOLDER)
-            if not seq.is_finished:
-                self.block_manager.commit_full_blocks(seq)
-            touched[seq.request_id] = self.requests[seq.request_id]
+            if seq.status is not FINISHED:
+                if again:
+                    ids.append(PLACEHOLDER)
+                commit(seq)
+            else:
+                ended.add(seq.request_id)
+            touched[seq.request_id] = requests[seq.request_id]
+        if not self.emit_partial:  # offline: only a request a sequence of which ended now can be done
+            return {rid: request for rid, request in touched.items() if rid in ended} if ended else {}
         return touched
 
     def _append_token(self, seq: Sequence, token: int, logprob) -> None:
@@ -236,7 +249,8 @@ class EngineStep:
             seq.finish_reason = "stop"
             self._finish(seq)
             return
-        seq.token_ids.append(token)
+        ids = seq.token_ids
+        ids.append(token)
         self.generation_tokens_total += 1
         if logprob is not None:
             seq.logprobs.append(logprob)
@@ -246,16 +260,16 @@ class EngineStep:
             stop = find_stop(seq, piece) if p.stop else None
         else:
             stop = None
+        num_output = len(ids) - seq.num_prompt_tokens
         if stop is not None:
             seq.finish_reason, seq.stop_reason = "stop", stop
         elif grammar is not None and grammar.terminated:  # the grammar is complete and took its end token
             seq.finish_reason = "stop"
-        elif seq.num_output_tokens >= p.min_tokens and not p.ignore_eos and token in self.eos_token_ids:
+        elif num_output >= p.min_tokens and not p.ignore_eos and token in self.eos_token_ids:
             seq.finish_reason = "stop"
-        elif token in p.stop_token_ids and seq.num_output_tokens >= p.min_tokens:
+        elif token in p.stop_token_ids and num_output >= p.min_tokens:
             seq.finish_reason, seq.stop_reason = "stop", token
-        elif ((p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens)
-              or seq.num_tokens >= self.max_model_len):
+        elif (p.max_tokens is not None and num_output >= p.max_tokens) or len(ids) >= self.max_model_len:
             seq.finish_reason = "length"
         if seq.finish_reason is not None:
             self._finish(seq)
