@@ -71,7 +71,7 @@ def prepare(batch: ScheduledBatch, block_size: int) -> StepInputs:
         chain.from_iterable(s.block_table for s in seqs), dtype=np.int32, count=int(widths.sum()))
     slots = tables[row, pos // bs].astype(np.int64) * bs + pos % bs
     # a row samples when its prompt is done (or it is a decode); a prompt chunk that is not the last does not
-    num_tokens = np.fromiter((s.num_tokens for s in seqs), dtype=np.int64, count=n)
+    num_tokens = np.fromiter((len(s.token_ids) for s in seqs), dtype=np.int64, count=n)  # not the property: a call
     logits_rows = (cu[1:] - 1)[ends == num_tokens].tolist()
     tokens = np.stack([np.asarray(ids, dtype=np.int64), pos, slots])
     state_slots = None
