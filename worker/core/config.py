@@ -40,6 +40,8 @@ class EngineConfig:
     # Processes compiling GPU kernels at a cold start (worker/executor/startup/compile_workers.py); None: auto, 0: none.
     compile_workers: int | None = None
     cpu_threads: int | None = None  # torch threads on CPU; default half the cores (server and tokenizer need the rest)
+    # ranks of one model over the GPUs of one host (gloo ranks on CPU): a process per rank, executor/tensor_parallel.py
+    tensor_parallel_size: int = 1
 
     def with_batch_defaults(self, hopper: bool) -> EngineConfig:
         """The config with max_num_seqs / max_num_batched_tokens left at None set for the device (once, at start)."""
@@ -72,6 +74,13 @@ class EngineConfig:
         need(self.max_loras > 0 and self.max_lora_rank > 0, "max_loras and max_lora_rank must be > 0")
         need(self.compile_workers is None or self.compile_workers >= 0,
              f"compile_workers must be >= 0, got {self.compile_workers}")
+        need(self.tensor_parallel_size in (1, 2, 4, 8),
+             f"tensor_parallel_size must be 1, 2, 4 or 8, got {self.tensor_parallel_size}")
+        tp = self.tensor_parallel_size > 1
+        need(not (tp and self.enable_lora), "LoRA adapters are not sharded yet: tensor_parallel_size must be 1 with "
+                                            "--enable-lora")
+        need(not (tp and self.enable_sleep_mode), "sleep mode is not sharded yet: tensor_parallel_size must be 1 with "
+                                                  "--enable-sleep-mode")
         need(not (self.enable_lora and self.quantization),
              "LoRA adapters run on bf16 / fp32 weights; drop --quantization to use them")
         return self

@@ -343,6 +343,7 @@ class AsyncLLMEngine:
         self._stopping = True
         self._wake.set()
         self._thread.join(timeout)
+        self.engine.shutdown()
 
     def wait_idle(self, timeout: float) -> bool:
         """Block until no request is in flight (drain on shutdown); False on timeout."""

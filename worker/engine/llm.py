@@ -58,6 +58,10 @@ class LLM:
     def unload_lora(self, name: str) -> None:
         self.engine.unload_lora(name)
 
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel worker processes (they also end with this process)."""
+        self.engine.shutdown()
+
     def sleep(self, level: int = 1) -> None:
         """Hand the GPU memory back (needs enable_sleep_mode=True): level 1 keeps the weights in host memory,
         level 2 drops them (load new ones with a weight update after wake_up)."""

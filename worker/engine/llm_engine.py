@@ -52,14 +52,25 @@ class LLMEngine(WeightUpdates):
             raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's "
                              f"max_position_embeddings={limit}")
         # started before torch is imported, the tokenizer read and the weights loaded, all of which they overlap
-        compile_workers = precompile.start(config, self.model_path, self.model_config, self.max_model_len)
+        tp = config.tensor_parallel_size > 1
+        if tp:  # a readable refusal before torch is imported or any process starts
+            from pagefleet.worker.models.layers.parallel import check_tensor_parallel
+
+            check_tensor_parallel(self.model_config, config.tensor_parallel_size)
+        compile_workers = None if tp else precompile.start(config, self.model_path, self.model_config,
+                                                            self.max_model_len)
         from pagefleet.worker.executor.model_runner import ModelRunner  # imports torch
 
         tokenizer_start = time.perf_counter()
         self.tokenizer = load_tokenizer(self.model_path)
         self.text_decoder = text_decoder(self.tokenizer)
         tokenizer_seconds = time.perf_counter() - tokenizer_start
-        self.runner = ModelRunner(config, self.model_config, self.model_path, self.max_model_len, compile_workers)
+        if tp:  # rank 0 here, a worker process per other rank (executor/tensor_parallel.py)
+            from pagefleet.worker.executor.tensor_parallel import TensorParallelRunner
+
+            self.runner = TensorParallelRunner(config, self.model_config, self.model_path, self.max_model_len)
+        else:
+            self.runner = ModelRunner(config, self.model_config, self.model_path, self.max_model_len, compile_workers)
         self.config = config = self.runner.config  # batch defaults resolved for the device
         if self.runner.device.type == "cuda":
             t = self.runner.start_seconds
@@ -269,6 +280,12 @@ class LLMEngine(WeightUpdates):
         version, versions = output_versions(request.seqs, [len(c.token_ids) for c in completions])
         return RequestOutput(request.request_id, request.prompt_token_ids, completions, finished,
                              request.seqs[0].num_cached_tokens, version, versions)
+
+    def shutdown(self) -> None:
+        """Stop the processes beside the engine (tensor-parallel workers); the engine runs no step after it."""
+        stop = getattr(self.runner, "shutdown", None)
+        if stop is not None:
+            stop()
 
     # ---- observability
 

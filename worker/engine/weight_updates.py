@@ -88,30 +88,24 @@ class WeightUpdates(EngineStep):
 
     def update_weights_from_disk(self, path: str) -> int:
         """All or some weights from a safetensors folder (HF names); returns the new weight version."""
-        from pagefleet.worker.models.loader import apply_weights, check_weights, checkpoint_shapes, checkpoint_tensors
-
         self._check_update()
         folder = Path(path)
         if not folder.is_dir() or not list(folder.glob("*.safetensors")):
             raise ValueError(f"{path} is not a folder of .safetensors files")
-        model = self.runner.model
-        plan = check_weights(model, checkpoint_shapes(folder))
-        apply_weights(model, checkpoint_tensors(folder, self.runner.device), plan)
+        self.runner.update_weights_from_disk(folder)  # every tensor-parallel rank reads its own shards
         return self._updated()
 
     def update_weights_from_tensor(self, named_tensors) -> int:
         """(name, tensor) pairs, a dict, or the string of weight_transfer.serialize_named_tensors (a trainer's
         CUDA IPC handles); names as in the HF checkpoint. Returns the new weight version."""
         from pagefleet.worker.executor.weight_transfer import deserialize_named_tensors, named_list
-        from pagefleet.worker.models.loader import apply_weights, check_weights
 
         self._check_update()
         if isinstance(named_tensors, str):
             named_tensors = deserialize_named_tensors(named_tensors)
         pairs = named_list(named_tensors)
-        model = self.runner.model
-        plan = check_weights(model, [(name, tuple(t.shape)) for name, t in pairs])
-        apply_weights(model, pairs, plan)
+        plan = self.runner.check_weights([(name, tuple(t.shape)) for name, t in pairs])
+        self.runner.apply_weights(pairs, plan)
         return self._updated()
 
     def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
@@ -137,7 +131,6 @@ class WeightUpdates(EngineStep):
         A refusal (names, shapes, requests in flight) is agreed with the trainer before any bucket is sent,
         so both sides raise and no weight changes. Returns the new weight version."""
         from pagefleet.worker.executor.weight_transfer import receive_buckets
-        from pagefleet.worker.models.loader import apply_weights, check_weights
 
         group = self._weight_group(group_name)
         refuse, plan = None, {}
@@ -147,9 +140,9 @@ class WeightUpdates(EngineStep):
             refuse = str(e)
 
         def check(slots):
-            plan.update(check_weights(self.runner.model, [(s.name, s.shape) for s in slots]))
+            plan.update(self.runner.check_weights([(s.name, s.shape) for s in slots]))
 
-        apply_weights(self.runner.model, receive_buckets(group, names, dtypes, shapes, refuse, check), plan)
+        self.runner.apply_weights(receive_buckets(group, names, dtypes, shapes, refuse, check), plan)
         return self._updated()
 
     def _weight_group(self, group_name: str | None):

@@ -37,6 +37,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                              "(a trainer on the same GPU) and take it back, CUDA graphs kept")
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=d.async_scheduling,
                         help="overlap decode steps with the host's bookkeeping")
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size,
+                        help="GPUs of this host one model is split over, a process each (1, 2, 4 or 8; on CPU, "
+                             "gloo ranks)")
     parser.add_argument("--compile-workers", type=int, default=d.compile_workers,
                         help="processes that compile GPU kernels in parallel at a cold start (default: half the CPUs "
                              "this process may use, its container's CPU limit included, at most 6; 0: compile in this "
@@ -53,4 +56,5 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         cpu_threads=args.cpu_threads, async_scheduling=args.async_scheduling,
         enable_lora=args.enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
         compile_workers=args.compile_workers, enable_sleep_mode=args.enable_sleep_mode,
+        tensor_parallel_size=args.tensor_parallel_size,
     ).validate()

@@ -16,7 +16,7 @@ from pagefleet.worker.executor.sampler import Sampler
 from pagefleet.worker.executor.sleep import SleepMode
 from pagefleet.worker.executor.startup.warmup import warm_up
 from pagefleet.worker.executor.state_cache import StateCache, is_stateful, slot_counts
-from pagefleet.worker.models.layers import ops
+from pagefleet.worker.models.layers import ops, parallel
 from pagefleet.worker.models.loader import build_model
 from pagefleet.worker.models.registry import ModelConfig
 
@@ -54,8 +54,11 @@ def use_device(config: EngineConfig, device: torch.device) -> None:
 def load_model(config: EngineConfig, model_config: ModelConfig, model_path, dtype: torch.dtype, device: torch.device):
     """The model with its weights (random ones for model_path None), norms folded where the decode graphs use
     them, quantised for --quantization fp8."""
-    model = build_model(model_config, model_path, dtype, device)
-    if (device.type == "cuda" and not config.enforce_eager and not config.enable_lora
+    tp = parallel.get_tensor_parallel()
+    model = build_model(parallel.shard_config(model_config, tp.size), model_path, dtype, device)
+    # not under tensor parallelism: the folded decode path adds o_proj / down_proj into the stream inside their
+    # GEMVs, before the all-reduce that must come first
+    if (device.type == "cuda" and not config.enforce_eager and not config.enable_lora and tp.size == 1
             and dtype in (torch.bfloat16, torch.float16) and hasattr(model, "fold_norms")):
         # decode graphs then launch no per-layer norm (LlamaForCausalLM.forward_folded; the Qwen3.5 hybrid
         # has no folded path); before FP8
@@ -98,8 +101,9 @@ def bring_up(runner, model_path, compile_workers=None, compile_share: tuple[int,
         runner.start_seconds["workers"] = time.time() - start
     if compile_share is not None and compile_share[0] == 0 and device.type == "cuda":
         profile_peak_bytes(runner, config)  # a worker's blocks are fixed, but this step's kernels are the engine's
-    num_blocks = size_kv_cache(runner, config, runner.model_config)
-    runner.kv = KVCache(runner.model_config, num_blocks, runner.block_size, runner.dtype, device,
+    shard = parallel.shard_config(runner.model_config, parallel.get_tensor_parallel().size)  # this rank's KV heads
+    num_blocks = parallel.agree_min(size_kv_cache(runner, config, shard))  # every rank holds the same blocks
+    runner.kv = KVCache(shard, num_blocks, runner.block_size, runner.dtype, device,
                         len(runner.model.attention_layers()))
     if runner.sleep_mode is not None:  # the KV cache moves into its region: freed first, so the peak is one cache
         shape, dtype = runner.kv.data.shape, runner.kv.data.dtype
@@ -122,7 +126,7 @@ def bring_up_state(runner, config: EngineConfig, device: torch.device) -> Engine
     """The state cache of a model with recurrent layers, allocated and bound: a slot per sequence the scheduler
     may run, and snapshot slots for the prefix cache. -> the config, max_num_seqs lowered to the slots that fit."""
     shapes = runner.model.state_shapes()
-    slots, snapshots = slot_counts(runner, config, shapes)
+    slots, snapshots = (parallel.agree_min(n) for n in slot_counts(runner, config, shapes))
     if slots < config.max_num_seqs:
         print(f"pagefleet: max_num_seqs lowered from {config.max_num_seqs} to {slots}: the state slots of more "
               f"sequences do not fit in memory", flush=True)

@@ -59,7 +59,8 @@ def profile_peak_bytes(runner, config) -> int:
 
 def size_kv_cache(runner, config, mc: ModelConfig) -> int:
     """Number of KV blocks: forced, from the CPU byte budget, or what the GPU fraction leaves after profiling
-    and what is allocated after it: the CUDA graphs and the sampler's penalty slots."""
+    and what is allocated after it: the CUDA graphs and the sampler's penalty slots. mc: this rank's model
+    config (its share of the KV heads)."""
     per_block = block_bytes(mc, config.block_size, runner.dtype, len(runner.model.attention_layers()))
     per_seq_blocks = runner.max_blocks_per_seq
     state_bytes = runner.state.nbytes if runner.state is not None else 0
@@ -76,8 +77,9 @@ def size_kv_cache(runner, config, mc: ModelConfig) -> int:
         weights = torch.cuda.memory_allocated() + outside  # the model, before the profiled step's activations
         peak = profile_peak_bytes(runner, config) + outside
         free, total = torch.cuda.mem_get_info()
-        reserve = (reserve_bytes(config, mc.vocab_size, runner.dtype, peak - weights)
-                   + penalty_slot_bytes(config.max_num_seqs, mc.vocab_size))
+        vocab = runner.model_config.vocab_size  # the logits rows are whole on every tensor-parallel rank
+        reserve = (reserve_bytes(config, vocab, runner.dtype, peak - weights)
+                   + penalty_slot_bytes(config.max_num_seqs, vocab))
         # our share of the card, minus what we already use at peak; never more than is actually free
         available = int(min(total * config.gpu_memory_fraction - peak - reserve,
                             free - reserve - (peak - outside - torch.cuda.memory_allocated())))

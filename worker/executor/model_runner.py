@@ -9,6 +9,7 @@ captures the graphs.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -53,6 +54,17 @@ class PendingTokens:
     def logprobs(self) -> list[TokenLogprobs | None]:
         """Per row, after read(): its logprobs, None for rows that asked for none."""
         return self.host.logprobs(self.tokens)
+
+
+class StepWork(NamedTuple):
+    """One step as every rank runs it: the block copies, the state slots' copies, zeroes and snapshots, the
+    host arrays (the scheduler's Sequences stay on rank 0)."""
+
+    copies: list[tuple[int, int]]
+    state_copies: list[tuple[int, int]]
+    state_zeros: list[int]
+    state_snapshots: list[tuple[int, int]]
+    step: StepInputs
 
 
 class ModelRunner:
@@ -106,26 +118,35 @@ class ModelRunner:
         """Host arrays for one step (step_inputs.prepare)."""
         return prepare(batch, self.block_size)
 
-    @torch.inference_mode()
     def run(self, batch: ScheduledBatch, feed: tuple[np.ndarray, torch.Tensor] | None = None) -> torch.Tensor | None:
         """Forward the scheduled tokens; returns logits [rows, vocab] for the sequences that sample (None if none do).
 
         feed = (rows, tokens): sequences whose last token is still on the device (an overlapped step)
         take input id tokens[rows[i]] where rows[i] >= 0.
         """
-        if batch.copies:
-            self.kv.copy_blocks(batch.copies)
-        if self.state is not None:  # fresh slots zeroed, forked and restored ones copied, before the forward
-            self.state.before_forward(batch.state_copies, batch.state_zeros)
-        step = self.prepare(batch)
         lora_mapping = self.lora.mapping(batch.seqs, batch.num_new_tokens) if self.lora is not None else None
+        return self.execute(self.step_work(batch), feed, lora_mapping)
+
+    def step_work(self, batch: ScheduledBatch) -> StepWork:
+        """What every tensor-parallel rank runs of this batch: no Sequence in it, only arrays and slot numbers."""
+        return StepWork(batch.copies, batch.state_copies, batch.state_zeros, batch.state_snapshots,
+                        self.prepare(batch))
+
+    @torch.inference_mode()
+    def execute(self, work: StepWork, feed=None, lora_mapping=None) -> torch.Tensor | None:
+        """One step from its StepWork (run's second half; a tensor-parallel worker's whole step)."""
+        if work.copies:
+            self.kv.copy_blocks(work.copies)
+        if self.state is not None:  # fresh slots zeroed, forked and restored ones copied, before the forward
+            self.state.before_forward(work.state_copies, work.state_zeros)
+        step = work.step
         logits = None
         if lora_mapping is None:  # the graphs hold no adapter: LoRA steps run eagerly
             logits = self.cuda_graphs.replay(step, feed)
         if logits is None:
             logits = self._run_eager(step, feed, lora_mapping)
         if self.state is not None:
-            self.state.after_forward(batch.state_snapshots)  # states at a block boundary, for the prefix cache
+            self.state.after_forward(work.state_snapshots)  # states at a block boundary, for the prefix cache
         return logits if logits is not None and step.logits_rows else None
 
     def _run_eager(self, step: StepInputs, feed, lora_mapping) -> torch.Tensor | None:
@@ -155,6 +176,26 @@ class ModelRunner:
             event = torch.cuda.Event()
             event.record()
         return PendingTokens(sampled.tokens, host, event)
+
+    # ---- weights in place (engine/weight_updates.py): every rank runs the same calls on its shard
+
+    def update_weights_from_disk(self, folder) -> None:
+        from pagefleet.worker.models.loader import apply_weights, check_weights, checkpoint_shapes, checkpoint_tensors
+
+        plan = check_weights(self.model, checkpoint_shapes(folder))
+        apply_weights(self.model, checkpoint_tensors(folder, self.device), plan)
+
+    def check_weights(self, shapes) -> dict:
+        """(name, shape) pairs -> the update's plan (loader.check_weights); ValueError if any does not fit."""
+        from pagefleet.worker.models.loader import check_weights
+
+        return check_weights(self.model, shapes)
+
+    def apply_weights(self, named_tensors, plan: dict) -> None:
+        """Checkpoint-named (name, tensor) pairs, full-sized, into this rank's parameters."""
+        from pagefleet.worker.models.loader import apply_weights
+
+        apply_weights(self.model, named_tensors, plan)
 
     # ---- sleep mode (sleep.py, EngineConfig.enable_sleep_mode): the weights' and KV cache's memory handed back to
     # the driver and taken back at the same addresses, the captured graphs kept

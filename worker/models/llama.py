@@ -10,7 +10,7 @@ import re
 import torch
 from torch import nn
 
-from pagefleet.worker.models.layers import ops
+from pagefleet.worker.models.layers import ops, parallel
 from pagefleet.worker.models.layers.linear import Linear
 from pagefleet.worker.models.layers.norm import RMSNorm
 from pagefleet.worker.models.layers.paged_attention import PagedAttention
@@ -30,7 +30,7 @@ class Attention(nn.Module):
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, cos_sin_cache: torch.Tensor) -> torch.Tensor:
-        return self.o_proj(self.attend(positions, self.qkv_proj(x), cos_sin_cache))
+        return parallel.all_reduce(self.o_proj(self.attend(positions, self.qkv_proj(x), cos_sin_cache)))
 
     def attend(self, positions: torch.Tensor, qkv: torch.Tensor, cos_sin_cache: torch.Tensor,
                pdl_chain: bool = False) -> torch.Tensor:
@@ -52,13 +52,15 @@ class MLP(nn.Module):
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor, fp8_rows: bool = False) -> torch.Tensor:
+        """down_proj's partial sums all-reduced across tensor-parallel ranks (a no-op on one)."""
         gate_up = self.gate_up_proj
         if fp8_rows:  # x came quantised; so does the activation's output, for down's FP8 GEMM
-            return self.down_proj(ops.silu_and_mul_fp8(gate_up(x)))
-        if gate_up.lora is None:  # no adapter: the activation can fuse into the decode GEMV
-            return self.down_proj(ops.linear_silu_and_mul(x, gate_up.weight, gate_up.bias,
-                                                          weight_scale=gate_up.weight_scale))
-        return self.down_proj(ops.silu_and_mul(gate_up(x)))
+            act = ops.silu_and_mul_fp8(gate_up(x))
+        elif gate_up.lora is None:  # no adapter: the activation can fuse into the decode GEMV
+            act = ops.linear_silu_and_mul(x, gate_up.weight, gate_up.bias, weight_scale=gate_up.weight_scale)
+        else:
+            act = ops.silu_and_mul(gate_up(x))
+        return parallel.all_reduce(self.down_proj(act))
 
 
 class DecoderLayer(nn.Module):
@@ -109,6 +111,15 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
+def compute_logits(lm_head: Linear, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """lm_head over the final hidden states; out: a buffer to write into (the decode graphs' static logits)."""
+    if parallel.get_tensor_parallel().size > 1:
+        return parallel.gather_logits(ops.linear(hidden, lm_head.weight, lm_head.bias), out)
+    if out is None:
+        return lm_head(hidden)
+    return ops.linear(hidden, lm_head.weight, lm_head.bias, out=out)
+
+
 # checkpoint name pieces -> (our name piece, shard)
 _PACKED = {
     "q_proj": ("qkv_proj", "q"),
@@ -143,7 +154,7 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         if self.norms_folded and ops.skinny_rows(input_ids, self.fp8_weights):  # norms fold only in half precision
             return self.forward_folded(input_ids, positions)
-        hidden = self.model.embed_tokens(input_ids)
+        hidden = parallel.embed(self.model.embed_tokens, input_ids)
         residual = None
         # e4m3 linears that are GEMMs here (not the decode GEMV): rows reach them quantised by the kernel before
         fp8_rows = self.fp8_weights and self.fuse_fp8_quantisation and not ops.skinny_rows(hidden, True)
@@ -181,10 +192,9 @@ class LlamaForCausalLM(nn.Module):
             yield layer.post_attention_layernorm, layer.mlp.gate_up_proj
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """out: a buffer to write into (the decode graphs' static logits)."""
-        if out is None:
-            return self.lm_head(hidden)
-        return ops.linear(hidden, self.lm_head.weight, self.lm_head.bias, out=out)
+        """out: a buffer to write into (the decode graphs' static logits). Tensor-parallel: each rank's slice of
+        the vocabulary, gathered."""
+        return compute_logits(self.lm_head, hidden, out)
 
     # ---- weights
 

@@ -198,6 +198,8 @@ def check_weights(model: torch.nn.Module, shapes) -> dict[str, tuple[str | None,
     tensor that does not fit."""
     import torch
 
+    from pagefleet.worker.models.layers import parallel
+
     params = dict(model.named_parameters())
     plan: dict[str, tuple[str | None, object]] = {}
     bad: list[str] = []
@@ -211,8 +213,8 @@ def check_weights(model: torch.nn.Module, shapes) -> dict[str, tuple[str | None,
             continue
         param = params[target]
         try:  # the model's own copy, on shapes only: packed shards and layout changes are checked as loading does
-            model.load_weight(torch.empty(param.shape, dtype=param.dtype, device="meta"),
-                              torch.empty(tuple(shape), dtype=torch.float32, device="meta"), shard)
+            tensor = parallel.shard_tensor(target, shard, torch.empty(tuple(shape), dtype=torch.float32, device="meta"))
+            model.load_weight(torch.empty(param.shape, dtype=param.dtype, device="meta"), tensor, shard)
         except (ValueError, RuntimeError):
             bad.append(f"{name} (shape {tuple(shape)}, expected {_expected_shape(model, param, shard)})")
     bad += _unrecoverable_norms(model, params, plan)
@@ -288,7 +290,9 @@ def apply_weights(model: torch.nn.Module, named_tensors, plan: dict | None = Non
 
 class _WeightWriter:
     def __init__(self, model, plan: dict | None):
-        self.model, self.plan = model, plan
+        from pagefleet.worker.models.layers.parallel import shard_tensor
+
+        self.model, self.plan, self.shard = model, plan, shard_tensor
         self.params = dict(model.named_parameters())
         self.folds = _folded_pairs(model, self.params)
         self.norm_of = {linear: norm_name for norm_name, (_, linear) in self.folds.items()}
@@ -312,6 +316,7 @@ class _WeightWriter:
             raise ValueError(f"weight {name} was not in the checked update")
         if target is None:
             return
+        tensor = self.shard(target, shard, tensor)  # this tensor-parallel rank's part (all of it at one rank)
         param = self.params[target]
         if target in self.folds:  # the parameter stays 1: the new weight is folded into the linear's rows
             new = tensor.to(device=param.device, dtype=param.dtype)

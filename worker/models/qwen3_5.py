@@ -13,12 +13,12 @@ import re
 import torch
 from torch import nn
 
-from pagefleet.worker.models.layers import ops
+from pagefleet.worker.models.layers import ops, parallel
 from pagefleet.worker.models.layers.gated_deltanet import GatedDeltaNet
 from pagefleet.worker.models.layers.linear import Linear
 from pagefleet.worker.models.layers.norm import RMSNorm
 from pagefleet.worker.models.layers.paged_attention import PagedAttention
-from pagefleet.worker.models.llama import MLP, DecoderModel
+from pagefleet.worker.models.llama import MLP, DecoderModel, compute_logits
 from pagefleet.worker.models.registry import ModelConfig
 
 
@@ -46,7 +46,7 @@ class GatedAttention(nn.Module):
         out = self.attn(q, k, v.view(T, self.num_kv_heads, D), positions, cos_sin_cache)
         if self.gated:
             out = out * torch.sigmoid(gate.reshape(T, self.num_heads * D))
-        return self.o_proj(out)
+        return parallel.all_reduce(self.o_proj(out))
 
 
 class DecoderLayer(nn.Module):
@@ -111,7 +111,7 @@ class Qwen3_5ForCausalLM(nn.Module):
     # ---- forward
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden = self.model.embed_tokens(input_ids)
+        hidden = parallel.embed(self.model.embed_tokens, input_ids)
         residual = None
         for layer in self.model.layers:
             hidden, residual = layer(positions, hidden, residual, self.cos_sin_cache)
@@ -120,9 +120,7 @@ class Qwen3_5ForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """out: a buffer to write into (the decode graphs' static logits)."""
-        if out is None:
-            return self.lm_head(hidden)
-        return ops.linear(hidden, self.lm_head.weight, self.lm_head.bias, out=out)
+        return compute_logits(self.lm_head, hidden, out)
 
     # ---- the caches: paged KV for full attention, state slots for the DeltaNet layers
 

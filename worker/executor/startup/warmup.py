@@ -34,7 +34,7 @@ def warm_up(runner, share: tuple[int, int] | None = None) -> int:
     """Run the warm-up steps on the runner's model; -> how many ran."""
     dev = runner.device
     start = time.perf_counter()
-    cases = warmup_cases(runner.config.max_num_seqs, runner.model_config.num_key_value_heads, share)
+    cases = warmup_cases(runner.config.max_num_seqs, runner.kv.data.shape[4], share)  # this rank's KV heads
     if not cases:  # more compile workers than cases
         return 0
     for num_decodes, chunks in cases:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagefleet.worker.models.layers import ops
+from pagefleet.worker.models.layers import ops, parallel
 from pagefleet.worker.models.layers.context import get_forward_context
 from pagefleet.worker.models.layers.linear import Linear
 from pagefleet.worker.models.registry import ModelConfig
@@ -87,7 +87,7 @@ class GatedDeltaNet(nn.Module):
             else:
                 core[rows] = o
         out = self.norm(core, z.view(T, self.num_v_heads, self.head_v_dim))
-        return self.out_proj(out.view(T, self.value_dim))
+        return parallel.all_reduce(self.out_proj(out.view(T, self.value_dim)))
 
     def _states(self, meta, x, nd):
         """(conv state, recurrent state, each sequence's slot). Without a bound cache (the memory-profiling
