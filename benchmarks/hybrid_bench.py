@@ -69,8 +69,9 @@ MIN_AGREE = 0.8  # transformers' argmax equal to our greedy token, share of posi
 # Engines start with no compile workers unless --compile-workers says otherwise. A worker's twin of this model
 # (worker/executor/startup/compile_workers.py) is all 64 layers unless layer_types is cut with num_hidden_layers;
 # cut to two layers it is still ~6.6 GB of weights (the 248k vocabulary twice) plus 1,280 one-layer state slots (4 GB)
-# plus its warm-up steps, times up to 6 workers, while the engine holds its 54 GB and allocates its ~36 GB of
-# state slots before it waits for them (bringup.py): more than the card. Serial compiles cost start-up seconds only.
+# plus its warm-up steps, times up to 6 workers, beside the engine's 54 GB while it loads (it waits for them before
+# it allocates its ~36 GB of state slots, bringup.py): ~120 GB of the card's 141 at the peak, not yet tried on the
+# H200. Serial compiles cost start-up seconds only.
 COMPILE_WORKERS = 0
 
 

@@ -74,7 +74,7 @@ def load_model(config: EngineConfig, model_config: ModelConfig, model_path, dtyp
 def bring_up(runner, model_path, compile_workers=None, compile_share: tuple[int, int] | None = None) -> None:
     """Give the runner (its config, model_config, max_model_len, device, dtype and block sizes set) its model,
     start_seconds, lora, sampler, kv and captured graphs. compile_workers: the running CompileWorkers, waited for
-    before the KV cache is sized. compile_share (i, n): a compile worker's slice of the warm-up steps and graph
+    once the weights are loaded. compile_share (i, n): a compile worker's slice of the warm-up steps and graph
     captures."""
     config, device = runner.config, runner.device
     use_device(config, device)
@@ -86,6 +86,13 @@ def bring_up(runner, model_path, compile_workers=None, compile_share: tuple[int,
         runner.sleep_mode.adopt_model(runner.model)
     # seconds of each start-up phase, for the engine's start-up line and a compile worker's report
     runner.start_seconds = {"load": time.time() - start, "workers": 0.0, "warmup": 0.0, "graphs": 0.0}
+    if compile_workers is not None:
+        # before the adapter slots, the state slots and the KV cache are allocated: the workers hold GPU memory
+        # while they run (a Qwen3.6-27B-shape engine's state slots, tens of GB, are allocated at once), and the
+        # KV budget is measured from free memory
+        start = time.time()
+        compile_workers.wait()
+        runner.start_seconds["workers"] = time.time() - start
     runner.lora = None
     if config.enable_lora:  # before the KV cache is sized, so the budget counts the adapter slots
         from pagefleet.worker.models.layers.lora import LoRAManager
@@ -95,10 +102,6 @@ def bring_up(runner, model_path, compile_workers=None, compile_share: tuple[int,
     if is_stateful(runner.model):  # before the KV cache is sized, so the budget counts the state slots
         config = runner.config = bring_up_state(runner, config, device)
     runner.sampler = Sampler(device, config.seed, runner.model_config.eos_token_ids, config.max_num_seqs)
-    if compile_workers is not None:  # before measuring free memory: they hold some while they run
-        start = time.time()
-        compile_workers.wait()
-        runner.start_seconds["workers"] = time.time() - start
     if compile_share is not None and compile_share[0] == 0 and device.type == "cuda":
         profile_peak_bytes(runner, config)  # a worker's blocks are fixed, but this step's kernels are the engine's
     shard = parallel.shard_config(runner.model_config, parallel.get_tensor_parallel().size)  # this rank's KV heads
