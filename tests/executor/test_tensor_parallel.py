@@ -81,6 +81,36 @@ def test_seeded_samples_of_one_request_equal_their_n1_twins(checkpoints):
         llm.shutdown()
 
 
+def test_lora_adapters_are_sharded_like_their_linears(checkpoints, tmp_path):
+    """Every target (q/k/v, gate/up column-parallel; o_proj, down_proj row-parallel), from a folder and from
+    tensors, beside requests of the base model in the same steps."""
+    from safetensors.torch import load_file as read
+
+    from engine_models import make_adapter
+
+    base = checkpoints["llama"]
+    one, two = make_adapter(base, tmp_path / "one", seed=1), make_adapter(base, tmp_path / "two", seed=2)
+    ps = prompts()[:4]
+
+    def run(llm):
+        llm.load_lora("one", str(one))
+        llm.load_lora_from_tensors("two", read(two / "adapter_model.safetensors"), {"r": 4, "lora_alpha": 8})
+        outs = [tokens(llm, ps)]
+        for name in ("one", "two"):
+            outs.append([o.outputs[0].token_ids for o in llm.generate(ps, greedy(), lora_name=name)])
+        llm.unload_lora("one")
+        outs.append([o.outputs[0].token_ids for o in llm.generate(ps, greedy(), lora_name="two")])
+        return outs
+
+    want = run(engine(base, 1, enable_lora=True, num_gpu_blocks_override=64))
+    assert want[1] != want[0] and want[2] != want[0] and want[3] == want[2]
+    llm = engine(base, 2, enable_lora=True, num_gpu_blocks_override=64)
+    try:
+        assert run(llm) == want
+    finally:
+        llm.shutdown()
+
+
 def scaled_copy(src: Path, dst: Path, factor: float) -> Path:
     """The checkpoint with every 2-D weight scaled: other weights, other tokens."""
     dst.mkdir()
@@ -191,5 +221,5 @@ def test_sizes_that_do_not_split_are_refused_before_any_process(checkpoints):
         engine(checkpoints["llama"], 3)
     with pytest.raises(ValueError, match="tensor_parallel_size 8 does not divide the model's 4 attention heads"):
         engine(checkpoints["llama"], 8)
-    with pytest.raises(ValueError, match="LoRA adapters are not sharded yet"):
-        engine(checkpoints["llama"], 2, enable_lora=True)
+    with pytest.raises(ValueError, match="sleep mode is not sharded yet"):
+        engine(checkpoints["llama"], 2, enable_sleep_mode=True)

@@ -152,7 +152,6 @@ def defaulted(node, value):
 
 SPEC_RULES = schema()["properties"]["spec"]["x-kubernetes-validations"]
 TP_RULE = next(r for r in SPEC_RULES if "tensorParallelSize" in r["rule"] and "gpus" in r["rule"])
-TP_LORA_RULE = next(r for r in SPEC_RULES if "tensorParallelSize" in r["rule"] and "lora" in r["rule"])
 MODEL = {"name": "m", "hostPath": {"path": "/m"}}
 LORA = {"hostPath": {"path": "/a"}, "adapters": [{"name": "x", "path": "x"}]}
 
@@ -201,11 +200,10 @@ def test_tensor_parallel_size_and_another_gpu_count_is_refused(size, gpus):
     assert TP_RULE["message"].startswith("spec.resources.gpus must equal spec.engine.tensorParallelSize")
 
 
-def test_tensor_parallel_with_lora_is_refused():
+def test_tensor_parallel_with_lora_is_accepted():
+    """The worker shards adapters like their linears (tests/executor/test_tensor_parallel.py)."""
     spec = {"model": MODEL, "lora": LORA, "engine": {"tensorParallelSize": 2}, "resources": {"gpus": 2}}
-    assert refusals(spec) == [TP_LORA_RULE["message"]]
-    assert "spec.lora" in TP_LORA_RULE["message"] and "tensorParallelSize 1" in TP_LORA_RULE["message"]
-    assert refusals({**spec, "engine": {"tensorParallelSize": 1}, "resources": {"gpus": 1}}) == []
+    assert refusals(spec) == []
 
 
 def test_spec_rules_need_no_defaults_to_evaluate():

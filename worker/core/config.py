@@ -77,8 +77,6 @@ class EngineConfig:
         need(self.tensor_parallel_size in (1, 2, 4, 8),
              f"tensor_parallel_size must be 1, 2, 4 or 8, got {self.tensor_parallel_size}")
         tp = self.tensor_parallel_size > 1
-        need(not (tp and self.enable_lora), "LoRA adapters are not sharded yet: tensor_parallel_size must be 1 with "
-                                            "--enable-lora")
         need(not (tp and self.enable_sleep_mode), "sleep mode is not sharded yet: tensor_parallel_size must be 1 with "
                                                   "--enable-sleep-mode")
         need(not (self.enable_lora and self.quantization),

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import pickle
 import socket
 import subprocess
 import sys
@@ -46,6 +47,16 @@ class RankFailure(RuntimeError):
 # without a main guard would start engines recursively), its cwd dropped from sys.path as `python -m` would not.
 _WORKER_CODE = ("import sys; sys.path[:] = [p for p in sys.path if p not in ('', '.')]; "
                 "from pagefleet.worker.executor.tensor_parallel import main; main()")
+
+
+def send(conn: Connection, message) -> None:
+    """Plain pickle, tensors by value: Connection.send's pickler would pass a CPU tensor as a file descriptor
+    shared through multiprocessing's resource sharer, which a worker started as a plain process cannot reach."""
+    conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def recv(conn: Connection):
+    return pickle.loads(conn.recv_bytes())
 
 
 def _free_port() -> int:
@@ -105,7 +116,7 @@ def _die_with_parent() -> None:
 def main() -> None:
     """A worker process: its end of the socket pair in argv, its rank and the engine's settings from rank 0."""
     conn = Connection(int(sys.argv[1]))
-    worker_main(conn, *conn.recv())
+    worker_main(conn, *recv(conn))
 
 
 def worker_main(conn, rank: int, config: EngineConfig, model_config: ModelConfig, model_path, max_model_len: int,
@@ -118,22 +129,25 @@ def worker_main(conn, rank: int, config: EngineConfig, model_config: ModelConfig
             torch.cuda.set_device(device)
         parallel.set_tensor_parallel(join_group(rank, config.tensor_parallel_size, port, device, model_config))
         runner = ModelRunner(_rank_config(config, device), model_config, model_path, max_model_len)
-        conn.send(("ready", None))
+        send(conn, ("ready", None))
         while True:
             try:
-                message = conn.recv()
+                message = recv(conn)
             except (EOFError, OSError):
                 return  # rank 0 is gone
             kind = message[0]
             if kind == "stop":
                 return
             if kind == "step":
-                _, work, fed = message
+                _, work, fed, adapters = message
                 feed = None
                 if fed is not None:
                     rows, shape, dtype = fed
-                    feed = (rows, parallel.broadcast(torch.empty(shape, dtype=dtype, device=runner.device)))
-                runner.execute(work, feed)
+                    feed = (rows, torch.empty(shape, dtype=dtype, device=runner.device))
+                _run_step(runner, work, feed, adapters)
+            elif kind == "lora":
+                _, method, args = message
+                getattr(runner.lora, method)(*args)
             elif kind == "weights_from_disk":
                 runner.update_weights_from_disk(message[1])
             elif kind == "weights":
@@ -142,16 +156,24 @@ def worker_main(conn, rank: int, config: EngineConfig, model_config: ModelConfig
                 raise ValueError(f"unknown message {kind!r}")
     except BaseException:  # noqa: BLE001 - said to rank 0, which raises it as RankFailure
         try:
-            conn.send(("error", f"tensor-parallel rank {rank}:\n{traceback.format_exc()}"))
+            send(conn, ("error", f"tensor-parallel rank {rank}:\n{traceback.format_exc()}"))
         except OSError:
             pass
         raise SystemExit(1) from None
 
 
+def _run_step(runner: ModelRunner, work, feed, adapters) -> torch.Tensor | None:
+    """One step on any rank: the fed tokens from rank 0, the adapters' token rows, the forward."""
+    if feed is not None:
+        parallel.broadcast(feed[1])  # rank 0's sampled tokens into every other rank's buffer
+    mapping = runner.lora.mapping_of(adapters) if adapters is not None else None
+    return runner.execute(work, feed, mapping)
+
+
 def _received_weights(conn, device: torch.device):
     """The (name, tensor) pairs rank 0 streams: each announced on the pipe, its data by broadcast."""
     while True:
-        message = conn.recv()
+        message = recv(conn)
         if message[0] == "end":
             return
         _, name, shape, dtype = message
@@ -178,7 +200,7 @@ class TensorParallelRunner:
                                     pass_fds=(theirs.fileno(),))
             theirs.close()
             conn = Connection(ours.detach())
-            conn.send((rank, config, model_config, model_path, max_model_len, port))
+            send(conn, (rank, config, model_config, model_path, max_model_len, port))
             self.conns.append(conn)
             self.procs.append(proc)
         self._monitor = threading.Thread(target=self._watch, name="pagefleet-tp-monitor", daemon=True)
@@ -191,7 +213,7 @@ class TensorParallelRunner:
             with parallel.using(self.tp):
                 self.runner = ModelRunner(_rank_config(config, device), model_config, model_path, max_model_len)
             for conn in self.conns:
-                kind, detail = conn.recv()
+                kind, detail = recv(conn)
                 if kind != "ready":
                     raise RankFailure(detail)
         except ValueError:  # a setting the model cannot take (every rank found it): said as it is
@@ -211,19 +233,21 @@ class TensorParallelRunner:
 
     # ---- what every rank runs
 
+    @property
+    def lora(self):
+        """The adapters, loaded on every rank (None without --enable-lora)."""
+        return None if self.runner.lora is None else ShardedLoRA(self)
+
     def run(self, batch, feed=None):
         work = self.runner.step_work(batch)
+        lora = self.runner.lora
+        adapters = lora.slot_rows(batch.seqs, batch.num_new_tokens) if lora is not None else None
         fed = None
         if feed is not None:
             rows, tokens = feed
             tokens = tokens.contiguous()
             feed, fed = (rows, tokens), (rows, tuple(tokens.shape), tokens.dtype)
-        return self._all("step", work, fed, local=lambda: self._step(work, feed))
-
-    def _step(self, work, feed):
-        if feed is not None:
-            parallel.broadcast(feed[1])
-        return self.runner.execute(work, feed)
+        return self._all("step", work, fed, adapters, local=lambda: _run_step(self.runner, work, feed, adapters))
 
     def check_weights(self, shapes) -> dict:
         """An update checked on rank 0, against its shards, before any rank writes."""
@@ -242,11 +266,11 @@ class TensorParallelRunner:
                 for name, tensor in named_tensors:
                     tensor = tensor.to(self.runner.device).contiguous()
                     for conn in self.conns:
-                        conn.send(("tensor", name, tuple(tensor.shape), tensor.dtype))
+                        send(conn, ("tensor", name, tuple(tensor.shape), tensor.dtype))
                     yield name, parallel.broadcast(tensor)
             finally:  # the workers' streams end with rank 0's, however it ends
                 for conn in self.conns:
-                    conn.send(("end",))
+                    send(conn, ("end",))
 
         self._all("weights", local=lambda: self.runner.apply_weights(streamed(), plan))
 
@@ -256,13 +280,23 @@ class TensorParallelRunner:
         self._in_step = True
         try:
             for conn in self.conns:
-                conn.send((kind, *args))
+                send(conn, (kind, *args))
             with parallel.using(self.tp):
                 return local()
         except Exception as e:
             raise self._failed(e) from None
         finally:
             self._in_step = False
+
+    def _lora(self, method: str, *args):
+        """An adapter change on rank 0 first (its checks refuse a bad adapter before any worker sees it), then on
+        every worker, which pick the same slot."""
+        self._check()
+        with parallel.using(self.tp):
+            result = getattr(self.runner.lora, method)(*args)
+        for conn in self.conns:
+            send(conn, ("lora", method, args))
+        return result
 
     # ---- failure and shutdown
 
@@ -278,7 +312,7 @@ class TensorParallelRunner:
         for rank, conn in enumerate(self.conns, 1):
             try:
                 while conn.poll(0.5 if self.procs[rank - 1].poll() is None else 0.1):
-                    kind, detail = conn.recv()
+                    kind, detail = recv(conn)
                     if kind == "error":
                         reports.append(detail)
             except (EOFError, OSError):
@@ -311,7 +345,7 @@ class TensorParallelRunner:
         self._stopping = True
         for conn in self.conns:
             try:
-                conn.send(("stop",))
+                send(conn, ("stop",))
             except OSError:
                 pass
         for proc in self.procs:
@@ -320,3 +354,23 @@ class TensorParallelRunner:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+class ShardedLoRA:
+    """Rank 0's LoRAManager as the engine reads it; loads and unloads reach every rank."""
+
+    def __init__(self, runner: TensorParallelRunner):
+        self._runner = runner
+
+    def __getattr__(self, name: str):
+        return getattr(self._runner.runner.lora, name)
+
+    def load(self, name: str, path: str) -> int:
+        return self._runner._lora("load", name, path)  # every rank reads the folder
+
+    def load_tensors(self, name: str, tensors: dict, config: dict, path: str = "<tensors>") -> int:
+        tensors = {k: v.detach().cpu() for k, v in tensors.items()}  # pickled to the workers
+        return self._runner._lora("load_tensors", name, tensors, config, path)
+
+    def unload(self, name: str) -> None:
+        self._runner._lora("unload", name)

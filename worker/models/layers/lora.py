@@ -116,6 +116,7 @@ class LoRAManager:
         pairs, scale = peft_adapter(tensors, config, self.max_rank, len(self.layers))
         for (layer, target), pair in pairs.items():
             module, shard = TARGETS[target]
+            pair.shard(module, shard)
             pair.check(self.layers[layer][module], shard)
         slot = free[0]
         self._clear(slot)  # a failed earlier load may have left part of an adapter here
@@ -142,15 +143,22 @@ class LoRAManager:
 
     def mapping(self, seqs, counts) -> LoRAMapping | None:
         """Token rows of this step per adapter slot; None when no sequence uses an adapter."""
+        rows = self.slot_rows(seqs, counts)
+        return None if rows is None else self.mapping_of(rows)
+
+    def slot_rows(self, seqs, counts) -> list[tuple[int, list[int]]] | None:
+        """(slot, token rows) of this step's adapters, on the host; None when no sequence uses one."""
         rows: dict[int, list[int]] = {}
         start = 0
         for seq, n in zip(seqs, counts, strict=True):
             if seq.lora_id:
                 rows.setdefault(self.slot_of_id[seq.lora_id], []).extend(range(start, start + n))
             start += n
-        if not rows:
-            return None
-        return LoRAMapping([(slot, torch.tensor(r, dtype=torch.long, device=self.device)) for slot, r in rows.items()])
+        return list(rows.items()) or None
+
+    def mapping_of(self, rows_by_slot: list[tuple[int, list[int]]]) -> LoRAMapping:
+        """The mapping of (slot, token rows) pairs, on the device (a tensor-parallel worker gets the pairs)."""
+        return LoRAMapping([(slot, torch.tensor(r, dtype=torch.long, device=self.device)) for slot, r in rows_by_slot])
 
 
 @dataclass
@@ -161,6 +169,18 @@ class AdapterPair:
     a: torch.Tensor
     b_name: str
     b: torch.Tensor
+
+    def shard(self, module: str, shard: int) -> None:
+        """This tensor-parallel rank's part, as its linear is cut: B's output rows of a column-parallel linear
+        (q/k/v, gate/up), A's input columns of a row-parallel one (o_proj, down_proj), whose partial product
+        the layer's all-reduce then sums with the partial outputs."""
+        from pagefleet.worker.models.layers.parallel import shard_tensor
+
+        if module.endswith(("o_proj", "down_proj")):
+            self.a = shard_tensor(f"{module}.weight", None, self.a)
+        else:
+            packed = {"self_attn.qkv_proj": ("q", "k", "v"), "mlp.gate_up_proj": (0, 1)}[module][shard]
+            self.b = shard_tensor(f"{module}.weight", packed, self.b)
 
     def check(self, weights: LoRAWeights, shard: int) -> None:
         """Against the model's linear, naming the tensor that does not fit (another model's adapter)."""
