@@ -288,6 +288,20 @@ def test_auto_parses_a_call_the_model_writes(client):
     assert plain.message.tool_calls is None and plain.message.content and plain.finish_reason != "tool_calls"
 
 
+def test_tool_choice_none_shows_the_tools_and_reads_no_call(client):
+    """As in vLLM: the prompt holds the tools (the server runs without --exclude-tools-when-tool-choice-none),
+    and a call the model writes anyway stays content."""
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome", "unit": "celsius"}}\n</tool_call>'
+    kw = {"tools": TOOLS, "tool_choice": "none", "max_tokens": 60,
+          "extra_body": {"structured_outputs": {"regex": re.escape(call)}}}
+    r = chat(client, "Weather?", **kw)
+    c = r.choices[0]
+    assert c.finish_reason == "stop" and c.message.tool_calls is None and c.message.content == call
+    plain = chat(client, "Weather?", max_tokens=1).usage.prompt_tokens
+    auto = chat(client, "Weather?", max_tokens=1, tools=TOOLS, tool_choice="auto").usage.prompt_tokens
+    assert r.usage.prompt_tokens == auto > plain + 20
+
+
 def test_a_conversation_with_earlier_calls_renders(client):
     messages = [{"role": "user", "content": "Weather in Rome?"},
                 {"role": "assistant", "content": None, "tool_calls": [

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import hmac
-import json
 import logging
 import re
 
@@ -19,6 +18,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagefleet.worker.core.sampling_params import StructuredOutputsParams
+from pagefleet.worker.entrypoints.chat_template import ChatTemplate
 from pagefleet.worker.entrypoints.lora_api import add_lora_routes
 from pagefleet.worker.entrypoints.metrics import CONTENT_TYPE, ServerMetrics
 from pagefleet.worker.entrypoints.protocol import (
@@ -31,7 +31,7 @@ from pagefleet.worker.entrypoints.protocol import (
     check_grammar,
     check_tools,
     error_body,
-    message_dicts,
+    prompt_tools,
     sampling_params,
     structured_params,
     tool_choice,
@@ -53,7 +53,7 @@ class ServerState:
 
     def __init__(self, engine, served_model_names: list[str], api_key: str | None, max_queue: int,
                  tool_call_parser: str | None = None, enable_auto_tool_choice: bool = False,
-                 reasoning_parser: str | None = None):
+                 reasoning_parser: str | None = None, exclude_tools_when_tool_choice_none: bool = False):
         self.engine = engine
         self.served_model_names = served_model_names
         self.model_name = served_model_names[0]
@@ -81,12 +81,8 @@ class ServerState:
             raise ValueError(f"unknown reasoning parser {reasoning_parser!r}; choose one of "
                              + ", ".join(REASONING_PARSERS))
         self.reasoning_parser = reasoning_parser
-        template = self.tokenizer.chat_template
-        template = json.dumps(template) if not isinstance(template, str) else template
-        # Templates that know tools get them as apply_chat_template(tools=...); others get them as a system
-        # message in the parser's format, and earlier calls written into the assistant turns.
-        self.template_renders_tools = "tools" in template
-        self.template_renders_calls = "tool_calls" in template
+        self.exclude_tools_when_tool_choice_none = exclude_tools_when_tool_choice_none
+        self.chat_template = ChatTemplate(self.tokenizer, self.tool_parser)
 
     def check_model(self, model: str | None) -> str:
         if model is None:
@@ -127,46 +123,7 @@ class ServerState:
                            f"{max_tokens or 1} to generate).", param=param, code="context_length_exceeded")
 
     def chat_prompt(self, messages, add_generation_prompt: bool = True) -> list[int]:
-        return self.render_chat(messages, add_generation_prompt)[1]
-
-    def render_chat(self, messages, add_generation_prompt: bool = True,
-                    tools: list[dict] | None = None) -> tuple[str, list[int]]:
-        """The chat prompt as text and token ids, tools rendered as the template (or the parser) writes them."""
-        if not messages:
-            raise APIError(400, "messages must not be empty.", param="messages")
-        dicts = message_dicts(messages)
-        kwargs = {}
-        if not self.template_renders_calls:
-            dicts = [self._calls_as_text(d) for d in dicts]
-        if tools:
-            if self.template_renders_tools:
-                kwargs["tools"] = tools
-            else:
-                dicts = self._tools_as_system(dicts, tools)
-        try:
-            text = self.tokenizer.apply_chat_template(dicts, tokenize=False,
-                                                      add_generation_prompt=add_generation_prompt, **kwargs)
-        except APIError:
-            raise
-        except Exception as e:  # a template may reject role orders etc. with any exception type
-            raise APIError(400, f"The chat template rejected the messages: {e}", param="messages") from None
-        # The template already holds the special tokens (as LLM.chat does).
-        return text, self.tokenizer.encode(text, add_special_tokens=False)
-
-    def _calls_as_text(self, d: dict) -> dict:
-        if not d.get("tool_calls"):
-            return d
-        calls = self.tool_parser.render_calls([(c["function"]["name"], c["function"]["arguments"])
-                                               for c in d["tool_calls"]])
-        rest = {k: v for k, v in d.items() if k != "tool_calls"}
-        return {**rest, "content": (d["content"] + "\n" if d["content"] else "") + calls}
-
-    def _tools_as_system(self, dicts: list[dict], tools: list[dict]) -> list[dict]:
-        described = "\n".join(json.dumps(t["function"]) for t in tools)
-        text = (f"You can call these functions:\n{described}\n\n" + self.tool_parser.format_instructions())
-        if dicts and dicts[0]["role"] in ("system", "developer"):
-            return [{**dicts[0], "content": dicts[0]["content"] + "\n\n" + text}] + dicts[1:]
-        return [{"role": "system", "content": text}] + dicts
+        return self.chat_template.render(messages, add_generation_prompt)[1]
 
 
 def _error_response(e: APIError) -> JSONResponse:
@@ -198,13 +155,15 @@ class _Gate:
 
 def build_app(engine, served_model_name: str | list[str] | None = None, api_key: str | None = None,
               max_queue: int = 1024, enable_rl_endpoints: bool = False, tool_call_parser: str | None = None,
-              enable_auto_tool_choice: bool = False, reasoning_parser: str | None = None) -> FastAPI:
+              enable_auto_tool_choice: bool = False, reasoning_parser: str | None = None,
+              exclude_tools_when_tool_choice_none: bool = False) -> FastAPI:
     """The FastAPI app over a loaded AsyncLLMEngine; `app.state.server` is the shared ServerState.
     enable_rl_endpoints: the weight update, pause and sleep routes (rl_api.py); without it they do not exist.
-    tool_call_parser / enable_auto_tool_choice / reasoning_parser: as vLLM's flags of those names."""
+    tool_call_parser / enable_auto_tool_choice / reasoning_parser / exclude_tools_when_tool_choice_none: as vLLM's
+    flags of those names."""
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or [])
     state = ServerState(engine, names or [engine.model_name], api_key, max_queue, tool_call_parser,
-                        enable_auto_tool_choice, reasoning_parser)
+                        enable_auto_tool_choice, reasoning_parser, exclude_tools_when_tool_choice_none)
     app = FastAPI(title="pagefleet worker", version="0.1.0")
     app.state.server = state
     app.add_middleware(_Gate, state=state)
@@ -287,7 +246,8 @@ def build_app(engine, served_model_name: str | list[str] | None = None, api_key:
                                  constraint[0] if constraint else None)
         if parser is not None and not parser.skip_special_tokens:
             params.skip_special_tokens = False  # the format's marker is a special token
-        text, ids = state.render_chat(body.messages, tools=tools if mode != "none" else None)
+        shown = prompt_tools(tools, mode, state.exclude_tools_when_tool_choice_none)
+        text, ids = state.chat_template.render(body.messages, tools=shown)
         state.check_prompt(ids, max_tokens, "messages")
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         reasoning = None

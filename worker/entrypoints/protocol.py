@@ -351,6 +351,15 @@ def tool_choice(req: ChatCompletionRequest, tools: list[dict], auto_enabled: boo
     return choice, None
 
 
+def prompt_tools(tools: list[dict], mode: str, exclude_when_none: bool) -> list[dict] | None:
+    """The tools the prompt shows the model. As in vLLM, tool_choice "none" still shows them (the model knows the
+    tools exist but its reply is not read for calls), unless the server runs with
+    --exclude-tools-when-tool-choice-none."""
+    if not tools or (mode == "none" and exclude_when_none):
+        return None
+    return tools
+
+
 _PARAM_RE = re.compile(r"^([a-z_]+)\b")
 
 

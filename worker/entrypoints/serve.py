@@ -40,6 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help='serve tool_choice "auto": the reply is parsed for calls ("required" and named functions need no flag)')
     a("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
       help="the model's tool-call format (default: from the model family; hermes for Qwen and others)")
+    a("--exclude-tools-when-tool-choice-none", action="store_true",
+      help='leave the tools out of the prompt when tool_choice is "none" (default: rendered, as vLLM does)')
     a("--reasoning-parser", choices=REASONING_PARSERS, default=None,
       help="split a reply's <think> block into reasoning_content")
     a("--timeout-keep-alive", type=float, default=KEEP_ALIVE_S,
@@ -121,7 +123,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         api_key = args.api_key or os.environ.get("PAGEFLEET_API_KEY")  # resolved here: never shown in --help
         app = build_app(engine, args.served_model_name, api_key, args.max_queue, args.enable_rl_endpoints,
-                        args.tool_call_parser, args.enable_auto_tool_choice, args.reasoning_parser)
+                        args.tool_call_parser, args.enable_auto_tool_choice, args.reasoning_parser,
+                        args.exclude_tools_when_tool_choice_none)
         uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                    access_log=not args.disable_access_log, timeout_graceful_shutdown=5,
                                    timeout_keep_alive=args.timeout_keep_alive)
