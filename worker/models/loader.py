@@ -162,8 +162,12 @@ def checkpoint_tensors(path: Path, device: torch.device):
 
 def load_weights(model: torch.nn.Module, path: Path, device: torch.device) -> None:
     """Copy every checkpoint tensor into its (possibly packed) parameter; fail on missing weights."""
+    from pagefleet.worker.models.layers.parallel import get_tensor_parallel
+
     shapes = checkpoint_shapes(path)
-    bar = tqdm(total=len(shapes), desc="load weights", unit="tensor", disable=len(shapes) < 50)
+    # one bar for a tensor-parallel load, rank 0's: the ranks load their shards side by side
+    bar = tqdm(total=len(shapes), desc="load weights", unit="tensor",
+               disable=len(shapes) < 50 or get_tensor_parallel().rank != 0)
     loaded = apply_weights(model, _counted(checkpoint_tensors(path, device), bar))
     bar.close()
     missing = [n for n in model.expected_weights() if n not in loaded]
