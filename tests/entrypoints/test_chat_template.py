@@ -1,11 +1,14 @@
-"""Chat prompts (chat_template.py): the tools a prompt shows for each tool_choice."""
+"""Chat prompts (chat_template.py): the tools a prompt shows for each tool_choice, and where the reply's own part
+of the prompt stands in a think block (whether a reasoning model's constraint waits for `</think>`)."""
 
 import pytest
 from transformers import AutoTokenizer
 
 from pagefleet.worker.entrypoints.chat_template import ChatTemplate
 from pagefleet.worker.entrypoints.protocol import ChatMessage, prompt_tools
+from pagefleet.worker.entrypoints.reasoning import reasoning_ended, think_token_ids
 from pagefleet.worker.entrypoints.tool_parsers import tool_parser
+from think_models import think_tokenizer
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
                                             "parameters": {"type": "object",
@@ -49,3 +52,42 @@ def test_shown_tools_are_in_the_prompt_and_excluded_ones_are_not(bundled, native
     assert len(shown_ids) > len(hidden_ids) and hidden == template.render(messages)[0]
     assert ("<tools>get_weather;</tools>" in shown) is native
     assert ("<tool_call>" in shown) is not native  # the hermes format's instructions
+
+
+@pytest.fixture(scope="module")
+def think(tmp_path_factory):
+    tokenizer = think_tokenizer(tmp_path_factory.mktemp("think-tokenizer"))
+    start, end = think_token_ids(tokenizer)
+    return tokenizer, ChatTemplate(tokenizer, tool_parser("hermes", None)), start, end
+
+
+def test_think_markers_are_found_only_as_single_tokens(bundled, think):
+    tokenizer, _, start, end = think
+    assert (start, end) == tuple(tokenizer.convert_tokens_to_ids(["<think>", "</think>"]))
+    assert think_token_ids(bundled) == (None, None)  # SmolLM2 spells </think> in pieces: no gate
+
+
+def test_reasoning_ended_reads_the_marker_nearest_the_end():
+    start, end = 10, 11
+    assert reasoning_ended([1, start, 2, end, 3], start, end)
+    assert not reasoning_ended([1, start, 2, end, 3, start, 4], start, end)
+    assert not reasoning_ended([1, 2, 3], start, end)  # no block yet: the model may open one
+    assert reasoning_ended([1, end], None, end)
+
+
+@pytest.mark.parametrize("messages, ended", [
+    (msgs(("user", "Describe a cat.")), False),  # Qwen3 thinking: the model opens its own block
+    (msgs(("user", "Describe a cat. /think")), False),  # the template opened it
+    (msgs(("user", "Describe a cat. /no_think")), True),  # the template closed an empty block already
+    # an earlier turn's closed block is history: the reply's own prompt decides
+    (msgs(("user", "Hi."), ("assistant", "<think>greet</think>Hello."), ("user", "Describe a cat.")), False),
+    (msgs(("user", "Hi."), ("assistant", "<think>greet</think>Hello."), ("user", "A cat. /no_think")), True),
+])
+def test_the_replys_own_prompt_decides_whether_reasoning_ended(think, messages, ended):
+    tokenizer, template, start, end = think
+    text, ids = template.render(messages)
+    reply = template.generation_prompt(messages, None, text)
+    assert text.endswith(reply) and reply.startswith("<|im_start|>assistant\n")
+    assert reasoning_ended(tokenizer.encode(reply, add_special_tokens=False), start, end) is ended
+    if len(messages) > 1 and not ended:  # (the reply's prompt has no marker here)
+        assert reasoning_ended(ids, start, end)  # the whole prompt would have said ended

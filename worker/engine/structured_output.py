@@ -10,6 +10,11 @@ step accepts the sampled token after it, and the matcher's terminated state ends
 sequence keeps its tokens and its matcher (recompute re-runs only the K/V), so nothing needs rebuilding;
 `rebuild` replays the output tokens into a fresh matcher and lands in the same state. JSON is generated
 without free whitespace (any_whitespace=False), so a small model cannot loop on blanks.
+
+With a reasoning model (the server's --reasoning-parser) the constraint applies after the reasoning, as in
+vLLM: a request's AfterReasoning constraint names the reasoning end token (`</think>`), and its sequence's grammar
+stays inactive (no mask row, tokens not fed to the matcher) until that token is sampled; from the next token on
+the grammar holds. The gate is part of the state, so forks, kept matchers and `rebuild` carry it the same way.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import re
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, fields
 
 import numpy as np
 import xgrammar as xgr
@@ -61,15 +67,44 @@ _NAMES = {"json": "JSON schema", "json_object": "JSON object", "regex": "regular
           "choice": "list of choices", "grammar": "EBNF grammar", "structural_tag": "structural tag"}
 
 
+@dataclass
+class AfterReasoning(StructuredOutputsParams):
+    """A constraint that applies once the reasoning is over: from the token after `reasoning_end_token_id`."""
+
+    reasoning_end_token_id: int | None = None  # required: the default only follows the fields before it
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not isinstance(self.reasoning_end_token_id, int) or self.reasoning_end_token_id < 0:
+            raise ValueError(f"reasoning_end_token_id must be a token id, got {self.reasoning_end_token_id!r}")
+
+
+def after_reasoning(structured: StructuredOutputsParams, end_token_id: int) -> AfterReasoning:
+    """The same constraint, inactive until end_token_id is generated (its compile is shared: same key)."""
+    base = {f.name: getattr(structured, f.name) for f in fields(StructuredOutputsParams)}
+    return AfterReasoning(**base, reasoning_end_token_id=end_token_id)
+
+
 class GrammarState:
-    """One sequence's grammar: the compile's future, then (once it is done) its matcher."""
+    """One sequence's grammar: the compile's future, then (once it is done) its matcher; with a reasoning gate,
+    inactive until the reasoning end token."""
 
-    __slots__ = ("future", "stop_token_ids", "_matcher")
+    __slots__ = ("future", "stop_token_ids", "_matcher", "reasoning_end", "waiting")
 
-    def __init__(self, future: Future, stop_token_ids: list[int], matcher: xgr.GrammarMatcher | None = None):
+    def __init__(self, future: Future, stop_token_ids: list[int], matcher: xgr.GrammarMatcher | None = None,
+                 reasoning_end: int | None = None, waiting: bool | None = None):
+        """reasoning_end: the token that ends the reasoning (None: no gate); waiting: the gate is still shut
+        (default: shut when there is a gate)."""
         self.future = future
         self.stop_token_ids = stop_token_ids
         self._matcher = matcher
+        self.reasoning_end = reasoning_end
+        self.waiting = reasoning_end is not None if waiting is None else waiting
+
+    @property
+    def active(self) -> bool:
+        """The grammar constrains the next token (its row gets a mask)."""
+        return not self.waiting
 
     @property
     def ready(self) -> bool:
@@ -88,21 +123,28 @@ class GrammarState:
         return self._matcher
 
     def accept(self, token: int) -> bool:
-        """The sampled token moves the matcher on; False when the grammar does not allow it."""
+        """The sampled token moves the matcher on; False when the grammar does not allow it. While the gate is
+        shut every token is free, and the reasoning end token opens it (the grammar starts at the next one)."""
+        if self.waiting:
+            if token == self.reasoning_end:
+                self.waiting = False
+            return True
         return self.matcher.accept_token(token)
 
     @property
     def terminated(self) -> bool:
-        return self._matcher is not None and self._matcher.is_terminated()
+        return not self.waiting and self._matcher is not None and self._matcher.is_terminated()
 
     def fork(self) -> GrammarState:
         """A sibling sample's own state, where this one is now."""
         return GrammarState(self.future, self.stop_token_ids,
-                            self._matcher.fork() if self._matcher is not None else None)
+                            self._matcher.fork() if self._matcher is not None else None,
+                            self.reasoning_end, self.waiting)
 
     def rebuild(self, output_token_ids: list[int]) -> GrammarState:
-        """A fresh matcher fed the output tokens again: the state a kept matcher has after them."""
-        state = GrammarState(self.future, self.stop_token_ids)
+        """A fresh matcher fed the output tokens again, through the gate as they were: the state a kept matcher
+        has after them."""
+        state = GrammarState(self.future, self.stop_token_ids, reasoning_end=self.reasoning_end)
         for token in output_token_ids:
             if not state.accept(token):
                 raise ValueError(f"token {token} is not allowed by the grammar at this point")
@@ -164,17 +206,19 @@ class StructuredOutputs:
                 self._compiled[key] = future
                 while len(self._compiled) > CACHE_SIZE:
                     self._compiled.popitem(last=False)
-        return GrammarState(future, self.stop_token_ids)
+        return GrammarState(future, self.stop_token_ids,
+                            reasoning_end=getattr(structured, "reasoning_end_token_id", None))
 
     def _compile(self, grammar: xgr.Grammar) -> xgr.CompiledGrammar:
         return self._compiler.result().compile_grammar(grammar)
 
     def bitmask(self, seqs: list) -> tuple[np.ndarray, np.ndarray] | None:
         """The step's constrained rows and their bitmasks (int32 [G, ceil(V/32)], bit t of a row set where
-        token t is allowed), filled from the matchers in parallel; None when no row has a grammar."""
+        token t is allowed), filled from the matchers in parallel; None when no row has an active grammar (one
+        still behind its reasoning gate gets no row)."""
         if not self.live:  # no structured request in flight: unconstrained steps skip the scan
             return None
-        rows = [i for i, seq in enumerate(seqs) if seq.grammar is not None]
+        rows = [i for i, seq in enumerate(seqs) if seq.grammar is not None and seq.grammar.active]
         if not rows:
             return None
         if len(self._buffer) < len(rows):

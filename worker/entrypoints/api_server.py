@@ -36,7 +36,13 @@ from pagefleet.worker.entrypoints.protocol import (
     structured_params,
     tool_choice,
 )
-from pagefleet.worker.entrypoints.reasoning import REASONING_PARSERS, prompt_opens_reasoning
+from pagefleet.worker.entrypoints.reasoning import (
+    END,
+    REASONING_PARSERS,
+    prompt_opens_reasoning,
+    reasoning_ended,
+    think_token_ids,
+)
 from pagefleet.worker.entrypoints.rl_api import add_rl_routes
 from pagefleet.worker.entrypoints.streaming import ChatOutput, Generation, generate
 from pagefleet.worker.entrypoints.tool_parsers import ToolParser, tool_parser
@@ -81,6 +87,14 @@ class ServerState:
             raise ValueError(f"unknown reasoning parser {reasoning_parser!r}; choose one of "
                              + ", ".join(REASONING_PARSERS))
         self.reasoning_parser = reasoning_parser
+        # Structured outputs of a reasoning model apply after its reasoning: from the token after `</think>`.
+        self.think_start_id, self.think_end_id = None, None
+        if reasoning_parser is not None:
+            self.think_start_id, self.think_end_id = think_token_ids(self.tokenizer)
+            if self.think_end_id is None:
+                log.warning("--reasoning-parser %s: the tokenizer has no single %s token, so structured outputs "
+                            "constrain the reply from its first token (no room to reason first)",
+                            reasoning_parser, END)
         self.exclude_tools_when_tool_choice_none = exclude_tools_when_tool_choice_none
         self.chat_template = ChatTemplate(self.tokenizer, self.tool_parser)
 
@@ -124,6 +138,17 @@ class ServerState:
 
     def chat_prompt(self, messages, add_generation_prompt: bool = True) -> list[int]:
         return self.chat_template.render(messages, add_generation_prompt)[1]
+
+    def after_reasoning(self, structured: StructuredOutputsParams | None, reply_prompt_ids: list[int]):
+        """The request's constraint, gated on the reasoning end token where the server has a reasoning parser
+        and the reply starts before the end of a think block (reply_prompt_ids: what the prompt adds for the
+        reply, or the whole prompt)."""
+        if (structured is None or self.think_end_id is None
+                or reasoning_ended(reply_prompt_ids, self.think_start_id, self.think_end_id)):
+            return structured
+        from pagefleet.worker.engine.structured_output import after_reasoning
+
+        return after_reasoning(structured, self.think_end_id)
 
 
 def _error_response(e: APIError) -> JSONResponse:
@@ -220,9 +245,12 @@ def build_app(engine, served_model_name: str | list[str] | None = None, api_key:
                                  constraint[0] if constraint else None)
         for ids in prompts:
             state.check_prompt(ids, body.max_tokens, "prompt")
+        # a reasoning model's constraint waits for its reasoning, per prompt (a prompt may have closed it)
+        prompt_params = [dataclasses.replace(params, structured=s) if s is not params.structured else params
+                         for s in (state.after_reasoning(params.structured, ids) for ids in prompts)]
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return await generate(state, request, False, model, prompts, params, body.stream, include_usage,
-                              state.lora_for(model))
+                              state.lora_for(model), prompt_params=prompt_params)
 
     @app.post("/v1/chat/completions", responses=ERROR_RESPONSES)
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -249,6 +277,11 @@ def build_app(engine, served_model_name: str | list[str] | None = None, api_key:
         shown = prompt_tools(tools, mode, state.exclude_tools_when_tool_choice_none)
         text, ids = state.chat_template.render(body.messages, tools=shown)
         state.check_prompt(ids, max_tokens, "messages")
+        if params.structured is not None and state.think_end_id is not None:
+            # the reply's own part of the prompt decides: a closed think block in an earlier turn does not count
+            reply_prompt = state.chat_template.generation_prompt(body.messages, shown, text)
+            params.structured = state.after_reasoning(
+                params.structured, state.tokenizer.encode(reply_prompt, add_special_tokens=False))
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         reasoning = None
         if state.reasoning_parser is not None:

@@ -30,6 +30,13 @@ class ChatTemplate:
         # The template already holds the special tokens (as LLM.chat does).
         return text, self.tokenizer.encode(text, add_special_tokens=False)
 
+    def generation_prompt(self, messages, tools: list[dict] | None, text: str) -> str:
+        """What the template adds for the reply (text is the prompt rendered with it): the prompt past the same
+        messages rendered without it, or the whole prompt where the two do not line up."""
+        dicts, kwargs = self._inputs(messages, tools)
+        head = self._apply(dicts, False, kwargs)
+        return text[len(head):] if text.startswith(head) else text
+
     def _inputs(self, messages, tools: list[dict] | None) -> tuple[list[dict], dict]:
         if not messages:
             raise APIError(400, "messages must not be empty.", param="messages")

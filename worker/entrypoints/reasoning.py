@@ -5,12 +5,35 @@ qwen3 and deepseek_r1 read the same way: the reasoning is the block at the start
 the model or already by the prompt (templates that end the prompt with `<think>`, as DeepSeek-R1's and Qwen3's
 thinking variants do). Which of the two holds is read off the prompt's tail, so a reply without `</think>` is
 reasoning cut short when the prompt opened the block and plain content when it did not.
+
+A structured request's grammar waits for the reasoning (engine/structured_output.py's AfterReasoning): here are
+the marker token ids it waits on and the check of whether a prompt already closed its block.
 """
 
 from __future__ import annotations
 
 START, END = "<think>", "</think>"
 REASONING_PARSERS = ("qwen3", "deepseek_r1")
+
+
+def think_token_ids(tokenizer) -> tuple[int | None, int | None]:
+    """The ids of `<think>` and `</think>` where each is one token of the vocabulary (None where it is not)."""
+    def one(marker: str) -> int | None:
+        ids = tokenizer.encode(marker, add_special_tokens=False)
+        return ids[0] if len(ids) == 1 and tokenizer.decode(ids) == marker else None
+
+    return one(START), one(END)
+
+
+def reasoning_ended(prompt_ids: list[int], start_id: int | None, end_id: int) -> bool:
+    """Whether the prompt already closed its think block (its last `</think>` after its last `<think>`), as a
+    non-thinking chat template does with `<think>\n\n</think>\n\n`: the reply then starts past the reasoning."""
+    for t in reversed(prompt_ids):  # the marker nearest the end decides
+        if t == end_id:
+            return True
+        if t == start_id:
+            return False
+    return False
 
 
 def prompt_opens_reasoning(prompt_tail: str) -> bool:

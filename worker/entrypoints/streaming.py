@@ -84,8 +84,11 @@ class Generation:
     """One API request: one engine request per prompt, each pumped by its own task into one queue."""
 
     def __init__(self, state: ServerState, request_id: str, prompts: list[list[int]], params,
-                 lora_name: str | None = None):
+                 lora_name: str | None = None, prompt_params: list | None = None):
+        """prompt_params: each prompt's own params where they differ (a constraint gated on one prompt's reasoning
+        and not on another's); otherwise params for all."""
         self.state, self.params, self.lora_name = state, params, lora_name
+        self.prompt_params = prompt_params or [params] * len(prompts)
         self.engine_ids = [f"{request_id}-{i}" for i in range(len(prompts))]
         self.done = [False] * len(prompts)
         self.queue: asyncio.Queue = asyncio.Queue()
@@ -101,7 +104,8 @@ class Generation:
 
     async def _pump(self, i: int, ids: list[int]) -> None:
         try:
-            async for out in self.state.engine.generate(ids, self.params, self.engine_ids[i], self.lora_name):
+            async for out in self.state.engine.generate(ids, self.prompt_params[i], self.engine_ids[i],
+                                                        self.lora_name):
                 self.queue.put_nowait((i, out))
             self.queue.put_nowait((i, None))
         except Exception as e:  # handed to the reader, which owns the HTTP answer
@@ -185,8 +189,9 @@ def _sse(obj) -> str:
 
 async def generate(state: ServerState, request: Request, chat: bool, model: str, prompts: list[list[int]],
                     params, stream: bool, include_usage: bool, lora_name: str | None = None,
-                    output: ChatOutput | None = None):
-    """Run one completions / chat request; returns a JSON or a server-sent-events response."""
+                    output: ChatOutput | None = None, prompt_params: list | None = None):
+    """Run one completions / chat request; returns a JSON or a server-sent-events response (prompt_params: as
+    Generation takes them)."""
     output = output or ChatOutput()
     if include_usage and not stream:
         raise APIError(400, "stream_options is only allowed with stream=true.", param="stream_options")
@@ -197,7 +202,7 @@ async def generate(state: ServerState, request: Request, chat: bool, model: str,
     head = {"id": request_id, "object": ("chat.completion" if chat else "text_completion"),
             "created": created, "model": model}
     prompt_tokens = sum(len(p) for p in prompts)
-    gen = Generation(state, request_id, prompts, params, lora_name)
+    gen = Generation(state, request_id, prompts, params, lora_name, prompt_params)
     watcher = asyncio.create_task(_close_on_disconnect(request, gen))
 
     def logprobs_of(entries, text_offset):
