@@ -39,18 +39,33 @@ def text_decoder(tokenizer) -> TextDecoder:
     return TextDecoder(decode, frozenset(i for i in specials if decode([i], True) == ""))
 
 
-def update_text(decoder: TextDecoder, seq: Sequence) -> str:
-    """Append the text of the new token(s) to seq.text; returns the new piece."""
-    skip = seq.params.skip_special_tokens
+def update_text(decoder: TextDecoder, seq: Sequence, end: int | None = None) -> str:
+    """Append the text of the tokens before `end` (default: all) that have none yet to seq.text, one token at a
+    time as they came, so a late call gives the text the calls after each token would have; returns the new text.
+    (The engine calls this after each token, or, where nothing reads the text before the end, once at the end.)"""
     ids = seq.token_ids
-    if skip and ids[-1] in decoder.skipped:
+    end = len(ids) if end is None else end
+    if seq.num_detokenized + 1 == end:  # one new token: the call after each
+        seq.num_detokenized = end
+        return _advance(decoder, seq, ids, end)
+    pieces = []
+    for k in range(seq.num_detokenized + 1, end + 1):
+        seq.num_detokenized = k
+        pieces.append(_advance(decoder, seq, ids, k))
+    return "".join(pieces)
+
+
+def _advance(decoder: TextDecoder, seq: Sequence, ids: list[int], end: int) -> str:
+    """The text that token end - 1 completes, appended to seq.text; the decode windows move past it."""
+    skip = seq.params.skip_special_tokens
+    if skip and ids[end - 1] in decoder.skipped:
         return ""  # what decoding would conclude, without the decodes
     prefix_text = decoder.decode(ids[seq.prefix_offset : seq.read_offset], skip)
-    new_text = decoder.decode(ids[seq.prefix_offset :], skip)
+    new_text = decoder.decode(ids[seq.prefix_offset : end], skip)
     if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
         return ""  # an incomplete UTF-8 character: wait for the next token
     piece = new_text[len(prefix_text) :]
-    seq.prefix_offset, seq.read_offset = seq.read_offset, len(ids)
+    seq.prefix_offset, seq.read_offset = seq.read_offset, end
     seq.text += piece
     return piece
 

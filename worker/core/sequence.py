@@ -30,6 +30,7 @@ class Sequence:
     seq_id: int = field(default_factory=lambda: next(_seq_ids))
     status: SequenceStatus = SequenceStatus.WAITING
     block_table: list[int] = field(default_factory=list)
+    table_version: int = 0  # +1 whenever the block manager changes block_table (BlockTables keeps rows by it)
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of the full blocks, in order
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     num_cached_tokens: int = 0  # of those, served by the prefix cache at (re)admission
@@ -48,12 +49,13 @@ class Sequence:
     text: str = ""
     prefix_offset: int = 0
     read_offset: int = 0
+    num_detokenized: int = 0  # tokens whose text step has run (detokenizer.update_text)
 
     def __post_init__(self) -> None:
         if self.params.logprobs is not None and self.logprobs is None:
             self.logprobs = []
         # start the detokeniser a few tokens back into the prompt so the first word gets its leading space
-        self.read_offset = self.num_prompt_tokens
+        self.read_offset = self.num_detokenized = self.num_prompt_tokens
         self.prefix_offset = max(self.num_prompt_tokens - 5, 0)
 
     @property

@@ -171,6 +171,12 @@ class EngineStep:
     def _feed(batch: ScheduledBatch, prev: PendingStep) -> tuple[np.ndarray, object]:
         """Decodes over a token still on the device read it from there: (row in prev's tokens or -1 per
         scheduled token, prev's tokens on the device)."""
+        seqs = batch.seqs
+        if batch.num_new_tokens.count(1) == len(seqs) and seqs == prev.seqs:
+            # the steady decode step: the same sequences in the same order (a list compare by identity, in C),
+            # one token each, and each fed where its last token is the one prev sampled for it
+            fed = np.fromiter((s.token_ids[-1] == PLACEHOLDER for s in seqs), dtype=bool, count=len(seqs))
+            return np.where(fed, np.arange(len(seqs)), -1), prev.tokens.device
         row_of = {seq.seq_id: i for i, seq in enumerate(prev.seqs)}
         rows = np.full(sum(batch.num_new_tokens), -1, dtype=np.int64)
         offset = 0
@@ -255,10 +261,10 @@ class EngineStep:
         if logprob is not None:
             seq.logprobs.append(logprob)
         p = seq.params
-        if p.detokenize:
+        if p.detokenize and (p.stop or self.emit_partial):
             piece = update_text(self.text_decoder, seq)
             stop = find_stop(seq, piece) if p.stop else None
-        else:
+        else:  # offline without stop strings the text is read only at the end: _finish builds it then
             stop = None
         num_output = len(ids) - seq.num_prompt_tokens
         if stop is not None:
@@ -275,6 +281,13 @@ class EngineStep:
             self._finish(seq)
 
     def _finish(self, seq: Sequence) -> None:
+        if seq.params.detokenize:  # the text of tokens left undecoded (offline), token by token as they came
+            ids = seq.token_ids
+            end = len(ids)
+            while end and ids[end - 1] == PLACEHOLDER:  # still on the device: dropped
+                end -= 1
+            if seq.num_detokenized < end:
+                update_text(self.text_decoder, seq, end)
         self.scheduler.finish(seq)  # its blocks go back to the pool now, before the next step
         self.runner.sampler.forget(seq)
         if seq.grammar is not None:  # its matcher goes with it
