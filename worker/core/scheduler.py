@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from pagefleet.worker.core.block_manager import BlockManager
+from pagefleet.worker.core.block_manager import BlockManager, BlockTables
 from pagefleet.worker.core.sequence import Sequence, SequenceStatus
 
 RUNNING = SequenceStatus.RUNNING
@@ -33,6 +33,7 @@ class ScheduledBatch:
     state_copies: list[tuple[int, int]] = field(default_factory=list)
     state_zeros: list[int] = field(default_factory=list)
     state_snapshots: list[tuple[int, int]] = field(default_factory=list)
+    block_tables: BlockTables | None = None  # the block manager's rows kept across steps (None: built afresh)
 
 
 class Scheduler:
@@ -48,7 +49,7 @@ class Scheduler:
         self.waiting.append(seq)
 
     def schedule(self) -> ScheduledBatch:
-        batch = ScheduledBatch()
+        batch = ScheduledBatch(block_tables=self.block_manager.tables)
         budget = self.max_num_batched_tokens
         bm = self.block_manager
         stateful = bm.state is not None  # without recurrent state, chunks never end at a snapshot boundary

@@ -13,6 +13,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from pagefleet.worker.core.block_manager import build_tables
 from pagefleet.worker.core.scheduler import ScheduledBatch
 from pagefleet.worker.models.layers.paged_attention import AttentionMetadata
 
@@ -65,10 +66,7 @@ def prepare(batch: ScheduledBatch, block_size: int) -> StepInputs:
         row = np.repeat(np.arange(n), counts)
         pos = np.arange(total) - np.repeat(cu[:-1].astype(np.int64), counts) + np.repeat(starts, counts)
         num_decodes = next((i for i, k in enumerate(batch.num_new_tokens) if k != 1), n)
-    widths = np.fromiter((len(s.block_table) for s in seqs), dtype=np.int64, count=n)
-    tables = np.zeros((n, -(-int(widths.max()) // 4) * 4), dtype=np.int32)  # rows 16-byte aligned
-    tables[np.arange(tables.shape[1]) < widths[:, None]] = np.fromiter(
-        chain.from_iterable(s.block_table for s in seqs), dtype=np.int32, count=int(widths.sum()))
+    tables = batch.block_tables.build(seqs) if batch.block_tables is not None else build_tables(seqs)
     slots = tables[row, pos // bs].astype(np.int64) * bs + pos % bs
     # a row samples when its prompt is done (or it is a decode); a prompt chunk that is not the last does not
     num_tokens = np.fromiter((len(s.token_ids) for s in seqs), dtype=np.int64, count=n)  # not the property: a call
