@@ -14,12 +14,15 @@ from the outside. Phases per step (microseconds):
   resolve    EngineStep._resolve: tokens into sequences, finish rules, incremental detokenisation, hashing
   outputs    LLMEngine._outputs: RequestOutputs (offline: finished requests only)
   host       the step less forward and sample-dev
+  host, run  the host time of all the run's steps, ms: offline the text is built as each sequence ends, in a step
+             the medians leave out
 Workloads: grpo (32 prompts x n=8 samples, 128 tokens, temperature 1, a seed per request) and greedy (256
 prompts, 128 tokens, temperature 0); both run 256 sequences at once.
 Usage: python3 benchmarks/host_step_bench.py [--compare REV] [--workloads grpo,greedy] [--repeats 2] [--rounds 2]
   --compare REV: the same run on REV's tree (git archive into /tmp) and on this one, side by side, and the ratio;
-  the trees' engines alternate (--rounds each) and the run with the least host time counts, as the machine's
-  speed drifts by 20 % between minutes. The outputs' digests are compared too: they must be identical.
+  with two cores the trees run at once, one per core, swapping cores each round (else they alternate), and the
+  run with the least host time counts, as this machine's speed drifts by 20 % between minutes. The outputs'
+  digests are compared too: they must be identical.
   Run it from /tmp or the repo root with python3 benchmarks/host_step_bench.py (not python -m).
 """
 
@@ -28,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -176,8 +180,9 @@ def workload(name: str):
 
 
 def measure(workloads: list[str], repeats: int) -> dict:
-    """Per workload: mean microseconds per step by phase over the steps running >= 200 sequences (the best of
-    `repeats` runs by host time), the step count, and a digest of the outputs (equal across trees)."""
+    """Per workload: the median microseconds per step of each phase over the steps running >= 200 sequences (the
+    best of `repeats` runs by host time; medians, as this machine's speed wavers by 2x from one step to the next),
+    the step count, and a digest of the outputs (equal across trees)."""
     import hashlib
 
     from pagefleet.worker.engine.llm import LLM
@@ -197,11 +202,13 @@ def measure(workloads: list[str], repeats: int) -> dict:
             digest = hashlib.sha256(json.dumps([[(o.token_ids, o.text) for o in out.outputs] for out in outs])
                                     .encode()).hexdigest()[:16]
             full = [phases(s) for s in timer.steps if s["running"] >= 200]
-            mean = {p: 1e6 * sum(s[p] for s in full) / len(full) for p in PHASES}
+            med = {p: 1e6 * statistics.median(s[p] for s in full) for p in PHASES}
             log(f"{name} run {r + 1}/{repeats}: {len(timer.steps)} steps, {len(full)} at >= 200 sequences, "
-                f"host {mean['host']:.0f} us/step, forward {mean['forward']:.0f} us/step, outputs {digest}")
-            if best is None or mean["host"] < best["us"]["host"]:
-                best = {"us": mean, "steps": len(timer.steps), "full_steps": len(full), "digest": digest}
+                f"host {med['host']:.0f} us/step, forward {med['forward']:.0f} us/step, outputs {digest}")
+            host_total = 1e3 * sum(phases(s)["host"] for s in timer.steps)  # the steps' medians hide the last one
+            if best is None or med["host"] < best["us"]["host"]:
+                best = {"us": med, "steps": len(timer.steps), "full_steps": len(full), "digest": digest,
+                        "host_total_ms": host_total}
         results[name] = best
     return results
 
@@ -221,6 +228,9 @@ def table(columns: dict[str, dict], workloads: list[str]) -> str:
             if len(names) == 2:
                 row += f"{vals[1] / vals[0]:>10.2f}" if vals[0] > 0.5 else f"{'':>10}"
             lines.append(row)
+        totals = [columns[n][w]["host_total_ms"] for n in names]
+        row = f"{'host, run (ms)':<18}" + "".join(f"{v:>12.1f}" for v in totals)
+        lines.append(row + (f"{totals[1] / totals[0]:>10.2f}" if len(names) == 2 else ""))
         lines.append(f"{'steps':<18}" + "".join(f"{columns[n][w]['steps']:>12}" for n in names))
         digests = {columns[n][w]["digest"] for n in names}
         lines.append(f"{'outputs':<18}" + ("identical" if len(digests) == 1 else "DIFFER: " + " ".join(digests)))
@@ -255,15 +265,25 @@ def main() -> int:
             label = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", args.compare], check=True,
                                    capture_output=True, text=True).stdout.strip()
             trees.insert(0, (label, old))
-        for r in range(args.rounds):  # the trees alternate, so a slower minute of the machine hits both
-            for name, tree in trees:
-                log(f"round {r + 1}/{args.rounds}: {name} ({tree})")
-                out = Path(tmp) / "result.json"
-                subprocess.run([sys.executable, __file__, "--tree", str(tree), "--json", str(out), "--workloads",
-                                args.workloads, "--repeats", str(args.repeats)], check=True, cwd=tmp,
-                               env={**os.environ, **MALLOC})
-                result = json.loads(out.read_text())
-                for w, best in result.items():
+        cores = sorted(os.sched_getaffinity(0))
+        together = len(trees) == 2 and len(cores) >= 2  # one core each, at once: the same minute of the machine
+        for r in range(args.rounds):
+            runs = []
+            for k, (name, tree) in enumerate(trees):
+                core = cores[(k + r) % len(cores)]  # the trees swap cores from one round to the next
+                log(f"round {r + 1}/{args.rounds}: {name} ({tree})" + (f" on core {core}" if together else ""))
+                out = Path(tmp) / f"result-{k}.json"
+                cmd = [sys.executable, __file__, "--tree", str(tree), "--json", str(out), "--workloads",
+                       args.workloads, "--repeats", str(args.repeats)]
+                if together:
+                    cmd = ["taskset", "-c", str(core), *cmd]
+                runs.append((name, out, subprocess.Popen(cmd, cwd=tmp, env={**os.environ, **MALLOC})))
+                if not together:
+                    runs[-1][2].wait()
+            for name, out, proc in runs:
+                if proc.wait() != 0:
+                    raise SystemExit(f"the run of {name} failed")
+                for w, best in json.loads(out.read_text()).items():
                     column = columns.setdefault(name, {})
                     if w not in column or best["us"]["host"] < column[w]["us"]["host"]:
                         column[w] = best
