@@ -17,7 +17,9 @@ from the outside. Phases per step (microseconds):
   host, run  the host time of all the run's steps, ms: offline the text is built as each sequence ends, in a step
              the medians leave out
 Workloads: grpo (32 prompts x n=8 samples, 128 tokens, temperature 1, a seed per request) and greedy (256
-prompts, 128 tokens, temperature 0); both run 256 sequences at once.
+prompts, 128 tokens, temperature 0), both offline at 256 sequences at once; serve64 (64 prompts of ~800 tokens,
+128 tokens at temperature 0.7, seeded) with every step's outputs, as a server's engine makes them. Phases are
+medians over the steps that run at least 80 % of the workload's sequences.
 Usage: python3 benchmarks/host_step_bench.py [--compare REV] [--workloads grpo,greedy] [--repeats 2] [--rounds 2]
   --compare REV: the same run on REV's tree (git archive into /tmp) and on this one, side by side, and the ratio;
   with two cores the trees run at once, one per core, swapping cores each round (else they alternate), and the
@@ -176,11 +178,14 @@ def workload(name: str):
     if name == "greedy":
         prompts = [[(p * 37 + i * 11) % 8000 + 100 for i in range(24 + p % 9)] for p in range(256)]
         return prompts, [SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True)] * 256
-    raise SystemExit(f"unknown workload {name!r}: grpo or greedy")
+    if name == "serve64":
+        prompts = [[(p * 53 + i * 13) % 8000 + 100 for i in range(800 + p)] for p in range(64)]
+        return prompts, [SamplingParams(temperature=0.7, max_tokens=128, seed=p, ignore_eos=True) for p in range(64)]
+    raise SystemExit(f"unknown workload {name!r}: grpo, greedy or serve64")
 
 
 def measure(workloads: list[str], repeats: int) -> dict:
-    """Per workload: the median microseconds per step of each phase over the steps running >= 200 sequences (the
+    """Per workload: the median microseconds per step of each phase over the steps running a full batch (the
     best of `repeats` runs by host time; medians, as this machine's speed wavers by 2x from one step to the next),
     the step count, and a digest of the outputs (equal across trees)."""
     import hashlib
@@ -188,12 +193,14 @@ def measure(workloads: list[str], repeats: int) -> dict:
     from pagefleet.worker.engine.llm import LLM
 
     folder = tiny_llama(Path(tempfile.gettempdir()) / "pagefleet-host-step-llama")
-    llm = LLM(str(folder), device="cpu", max_model_len=512, max_num_seqs=256, max_num_batched_tokens=4096,
-              num_gpu_blocks_override=4096, cpu_threads=1)
+    llm = LLM(str(folder), device="cpu", max_model_len=1024, max_num_seqs=256, max_num_batched_tokens=4096,
+              num_gpu_blocks_override=8192, cpu_threads=1)
     timer = instrument(llm.engine)
     results = {}
     for name in workloads:
         prompts, params = workload(name)
+        full_batch = sum(p.n for p in params)
+        llm.engine.emit_partial = name == "serve64"  # a server's engine: every step's outputs, text after each token
         best = None
         for r in range(repeats):
             llm.engine.block_manager.reset_prefix_cache()
@@ -201,9 +208,9 @@ def measure(workloads: list[str], repeats: int) -> dict:
             outs = llm.generate(prompts, params)
             digest = hashlib.sha256(json.dumps([[(o.token_ids, o.text) for o in out.outputs] for out in outs])
                                     .encode()).hexdigest()[:16]
-            full = [phases(s) for s in timer.steps if s["running"] >= 200]
+            full = [phases(s) for s in timer.steps if s["running"] >= 0.8 * full_batch]
             med = {p: 1e6 * statistics.median(s[p] for s in full) for p in PHASES}
-            log(f"{name} run {r + 1}/{repeats}: {len(timer.steps)} steps, {len(full)} at >= 200 sequences, "
+            log(f"{name} run {r + 1}/{repeats}: {len(timer.steps)} steps, {len(full)} at a full batch, "
                 f"host {med['host']:.0f} us/step, forward {med['forward']:.0f} us/step, outputs {digest}")
             host_total = 1e3 * sum(phases(s)["host"] for s in timer.steps)  # the steps' medians hide the last one
             if best is None or med["host"] < best["us"]["host"]:
