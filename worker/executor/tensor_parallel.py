@@ -354,6 +354,15 @@ class TensorParallelRunner:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        # the group's threads stopped now: left to the interpreter's exit, gloo's destructor aborts the process
+        group = getattr(getattr(self, "tp", None), "group", None)
+        if group is not None and hasattr(group, "shutdown") and not getattr(self, "_group_down", False):
+            self._group_down = True
+            try:
+                group.shutdown()
+            except RuntimeError:
+                pass
+            self.tp = None  # the group and its store destroyed here, not by the interpreter's exit
 
 
 class ShardedLoRA:
