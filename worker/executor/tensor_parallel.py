@@ -32,7 +32,7 @@ import torch
 from pagefleet.worker.core.config import EngineConfig
 from pagefleet.worker.executor.model_runner import ModelRunner
 from pagefleet.worker.models.layers import parallel
-from pagefleet.worker.models.loader import checkpoint_shapes
+from pagefleet.worker.models.loader import checkpoint_shapes, checkpoint_tensors
 from pagefleet.worker.models.registry import ModelConfig
 
 GROUP_TIMEOUT_S = 600.0  # a collective waits at most this long (a long prefill chunk must fit)
@@ -255,8 +255,9 @@ class TensorParallelRunner:
             return self.runner.check_weights(shapes)
 
     def update_weights_from_disk(self, folder) -> None:
-        self.check_weights(checkpoint_shapes(folder))
-        self._all("weights_from_disk", folder, local=lambda: self.runner.update_weights_from_disk(folder))
+        plan = self.check_weights(checkpoint_shapes(folder))  # refused here, before any worker reads a file
+        self._all("weights_from_disk", folder,
+                  local=lambda: self.runner.apply_weights(checkpoint_tensors(folder, self.runner.device), plan))
 
     def apply_weights(self, named_tensors, plan: dict) -> None:
         """Rank 0's full tensors, each broadcast to the workers as it comes (a trainer's stream stays a stream)."""
@@ -354,15 +355,6 @@ class TensorParallelRunner:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-        # the group's threads stopped now: left to the interpreter's exit, gloo's destructor aborts the process
-        group = getattr(getattr(self, "tp", None), "group", None)
-        if group is not None and hasattr(group, "shutdown") and not getattr(self, "_group_down", False):
-            self._group_down = True
-            try:
-                group.shutdown()
-            except RuntimeError:
-                pass
-            self.tp = None  # the group and its store destroyed here, not by the interpreter's exit
 
 
 class ShardedLoRA:
