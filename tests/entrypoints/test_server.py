@@ -545,6 +545,7 @@ def test_bench_serve_reports_every_level_and_traces_it(server, tmp_path):
     for r in rows:
         assert (r["requests"], r["errors"], r["short_outputs"]) == (8, 0, 0)
         assert 0 < r["ttft_p50_ms"] <= r["ttft_p99_ms"] and r["output_tok_s"] > 0
+        assert 0 < r["tpot_p50_ms"] <= 1e3 * r["wall_s"] / 5  # 5 gaps after the first token, in one level
     levels = json.loads(trace_out.read_text())
     assert [lv["concurrency"] for lv in levels] == [1, 4]
     for lv, r in zip(levels, rows):
@@ -579,6 +580,18 @@ def test_bench_serve_open_loop_paces_arrivals_at_each_request_rate(server, tmp_p
         refused = subprocess.run(cmd[:-2] + ["--request-rate", "4", bad], capture_output=True, text=True, cwd=tmp_path,
                                  timeout=120)
         assert refused.returncode == 2 and f"--request-rate must be > 0 (inf: all at once), got {bad}" in refused.stderr
+
+
+def test_bench_serve_sends_its_sampling_fields(server, tmp_path):
+    """--temperature / --top-p / --top-k / --min-p reach the server: sampled requests complete, and a top_p the
+    server refuses fails every request with the server's message naming the field."""
+    cmd = [sys.executable, "-m", "pagefleet", "bench", "serve", "--base-url", server.url, "--api-key", KEY,
+           "--input-len", "16", "--output-len", "4", "--concurrency", "2", "--num-requests", "4",
+           "--prompt-format", "ids", "--temperature", "1", "--top-k", "5", "--min-p", "0.01"]
+    done = subprocess.run(cmd + ["--top-p", "0.9"], capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    refused = subprocess.run(cmd + ["--top-p", "2"], capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert refused.returncode == 1 and "4 errors" in refused.stderr and "top_p" in refused.stderr
 
 
 @pytest.mark.parametrize("flag", ["--json-out", "--trace-out"])

@@ -45,6 +45,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--vocab-low", type=int, default=100, help="prompt tokens are drawn from [low, high)")
     a("--vocab-high", type=int, default=None, help="default: the server's vocabulary size")
     a("--seed", type=int, default=0)
+    # Sampling fields as `vllm bench serve` sends them; greedy unless asked, as every earlier figure here was.
+    a("--temperature", type=float, default=0.0)
+    a("--top-p", type=float, default=None)
+    a("--top-k", type=int, default=None)
+    a("--min-p", type=float, default=None)
     a("--json-schema", metavar="FILE", default=None,
       help="a JSON schema (or an OpenAI json_schema object with name and schema) every request carries as "
            "response_format; outputs are validated against it")
@@ -146,7 +151,9 @@ async def _level(session, args, headers: dict, model: str, prompts: list, concur
     async def send(prompt) -> None:
         nonlocal in_flight, peak
         body = {"model": model, "prompt": prompt, "max_tokens": args.output_len, "ignore_eos": True,
-                "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
+                "temperature": args.temperature, "stream": True, "stream_options": {"include_usage": True}}
+        body.update({k: v for k, v in (("top_p", args.top_p), ("top_k", args.top_k), ("min_p", args.min_p))
+                     if v is not None})
         if args.response_format is not None:  # the output ends where its JSON closes
             body["response_format"] = args.response_format
             body["ignore_eos"] = False
@@ -187,6 +194,8 @@ async def _level(session, args, headers: dict, model: str, prompts: list, concur
         "ttft_p50_ms": 1e3 * _pct([r.ttft for r in ok], 50), "ttft_p99_ms": 1e3 * _pct([r.ttft for r in ok], 99),
         "itl_p50_ms": 1e3 * _pct([x for r in ok for x in r.itls], 50),
         "itl_p99_ms": 1e3 * _pct([x for r in ok for x in r.itls], 99),
+        # per request, the time from its first token to its last over the tokens after the first (vLLM's TPOT)
+        "tpot_p50_ms": 1e3 * _pct([sum(r.itls) / len(r.itls) for r in ok if r.itls], 50),
         "output_tok_s": tokens / wall, "wall_s": wall,
     }, results, start
 
@@ -280,15 +289,17 @@ def format_table(rows: list[dict]) -> str:
     open_loop = bool(rows) and bool(rows[0]["request_rate"])
     base = next((r["output_tok_s"] for r in rows if r["concurrency"] == 1), None)
     lines = [f"| {'request rate (/s)' if open_loop else 'concurrency'} | TTFT p50 / p99 (ms) "
-             f"| inter-token p50 / p99 (ms) | output tok/s | {'most in flight' if open_loop else 'scaling'} |",
-             "|---|---|---|---|---|"]
+             f"| inter-token p50 / p99 (ms) | TPOT p50 (ms) | output tok/s "
+             f"| {'most in flight' if open_loop else 'scaling'} |",
+             "|---|---|---|---|---|---|"]
     for r in rows:
         if open_loop:
             level, last = f"{r['request_rate']:g}", str(r["max_in_flight"])
         else:
             level, last = str(r["concurrency"]), f"{r['output_tok_s'] / base:.1f}×" if base else "—"
         lines.append(f"| {level} | {r['ttft_p50_ms']:.1f} / {r['ttft_p99_ms']:.1f} | "
-                     f"{r['itl_p50_ms']:.2f} / {r['itl_p99_ms']:.2f} | {r['output_tok_s']:,.1f} | {last} |")
+                     f"{r['itl_p50_ms']:.2f} / {r['itl_p99_ms']:.2f} | {r['tpot_p50_ms']:.2f} | "
+                     f"{r['output_tok_s']:,.1f} | {last} |")
     return "\n".join(lines)
 
 
