@@ -31,6 +31,12 @@ if [ "${parts[*]}" != table ]; then
   # shellcheck disable=SC1091
   source .peer/side_env.sh
   export OUT="$out"  # side_serve.sh copies each server's log there
+  # pagefleet's HTTP side shares a process with its step loop, so it runs on its own web stack (uvicorn[standard]:
+  # httptools, uvloop), not on the vLLM bundle's: .whl/ holds those wheels (docs/benchmarks.md, the commands)
+  if [ -d .whl ] && [ ! -f /tmp/pfsite/.done ]; then
+    python3 -m pip install -q --no-index --no-deps --target /tmp/pfsite .whl/*.whl && touch /tmp/pfsite/.done
+  fi
+  [ -f /tmp/pfsite/.done ] || echo "warning: no .whl/: pagefleet serves on the vLLM bundle's web stack"
 fi
 for part in "${parts[@]}"; do
   [ "$part" = table ] && continue
@@ -40,6 +46,9 @@ for part in "${parts[@]}"; do
       [ "$part" = offline ] && tag=$part${TEMP:+-temp$TEMP}  # side_offline.py samples at TEMP; the servers ignore it
       log="$out/$tag-$eng-$dt.log"
       echo "== $tag $eng $dt -> $log"
+      pypath=/tmp/site
+      [ "$eng" = pagefleet ] && [ -f /tmp/pfsite/.done ] && pypath=/tmp/pfsite:/tmp/site
+      export PYTHONPATH=$pypath
       case $part in
         offline) python3 .peer/side_offline.py "$eng" "$dt" /root/llama8b ;;
         grpo) python3 .peer/side_offline.py "$eng" "$dt" /root/llama8b --grpo ;;
