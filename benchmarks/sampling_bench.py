@@ -2,11 +2,13 @@
 
 --kernel: kernels/sampling.py alone on bf16 logits of the 8B shape's vocabulary (128,256) at batch 1, 16, 64 and
 256, per setting, against greedy's argmax kernel and against the sampling kernel of another commit (--baseline,
-read with `git show`, so the old kernel lives only here): median of CUDA-event-timed launches, in us.
+read with `git show`, so the old kernel lives only here): median of CUDA-event-timed launches, in us. --fold F ...
+also times today's kernel with its count passes reading F search blocks a step, each column checked to draw the
+same tokens as the default.
 MODEL_DIR: the same 64 prompts (512 in / 128 out) under five sampling settings, one engine on one GPU, prefix
 cache reset before each run, each setting run twice and the second run printed (the first compiles nothing after
 start-up, but warms the allocator): what the device-side sampler costs per setting beside greedy.
-Usage: python3 benchmarks/sampling_bench.py [MODEL_DIR] [--kernel [--baseline REV]]
+Usage: python3 benchmarks/sampling_bench.py [MODEL_DIR] [--kernel [--baseline REV] [--fold 2 4]]
        (MODEL_DIR e.g. from make_checkpoint.py llama-3.1-8b DIR)
 """
 
@@ -58,7 +60,7 @@ def baseline_kernel(rev: str):
     return module
 
 
-def kernel_table(baseline: str | None, scale: float) -> None:
+def kernel_table(baseline: str | None, scale: float, folds: list[int]) -> None:
     import numpy as np
     import torch
 
@@ -85,7 +87,7 @@ def kernel_table(baseline: str | None, scale: float) -> None:
     print(f"sampling kernel alone, bf16 logits N(0, {scale}^2) x {VOCAB:,}, median us per launch"
           + (f"; old = kernels/sampling.py at {baseline}" if old else ""), flush=True)
     print(f"{'setting':30s} {'batch':>5s} {'new us':>9s}" + (f" {'old us':>9s} {'old/new':>7s}" if old else "")
-          + f" {'same tokens':>11s}", flush=True)
+          + f" {'same tokens':>11s}" + "".join(f" {f'fold {f} us':>10s} {'same':>5s}" for f in folds), flush=True)
     g = torch.Generator(device="cuda").manual_seed(0)
     for batch in (1, 16, 64, 256):
         logits = (torch.randn(batch, VOCAB, generator=g, device="cuda") * scale).to(torch.bfloat16)
@@ -100,6 +102,9 @@ def kernel_table(baseline: str | None, scale: float) -> None:
                 old_us = time_us(lambda rec=rec, x=logits: old.sample(x, rec))
                 same = int((old.sample(logits, rec) == new).sum())
                 line += f" {old_us:9.1f} {old_us / new_us:7.2f} {same:>5d} / {batch:<5d}"
+            for f in folds:
+                fold_us = time_us(lambda rec=rec, x=logits, f=f: sampling.sample(x, rec, fold=f))
+                line += f" {fold_us:10.1f} {int((sampling.sample(logits, rec, fold=f) == new).sum()):>5d}"
             print(line, flush=True)
 
 
@@ -132,13 +137,17 @@ def main() -> None:
     parser.add_argument("--kernel", action="store_true", help="time the sampling kernel alone")
     parser.add_argument("--baseline", help="a commit (or file) whose kernels/sampling.py the kernel table times beside")
     parser.add_argument("--scale", type=float, default=2.0, help="the kernel table's logit standard deviation")
+    parser.add_argument("--fold", type=int, nargs="*", default=[], help="count-pass folds to time beside the default")
     args = parser.parse_args()
     if args.prompts < 1:
         parser.error(f"--prompts must be >= 1, got {args.prompts}")
     if not args.model and not args.kernel:
         parser.error("give MODEL_DIR, --kernel, or both")
     if args.kernel:
-        kernel_table(args.baseline, args.scale)
+        bad = [f for f in args.fold if f < 1 or f & (f - 1)]
+        if bad:
+            parser.error(f"--fold takes powers of two, got {bad[0]}")
+        kernel_table(args.baseline, args.scale, args.fold)
     if args.model:
         engine_table(args.model, args.prompts)
 

@@ -95,9 +95,11 @@ def test_triton_sample_every_path_to_a_threshold():
     for step in range(2):
         rec = records(1.0, top_k, top_p, seed=[11, 12, 13, 14, 15, 16, 17, 18, 19], position=step)
         want = None
-        for cap in (8, 32, 256):
-            got, want = both(rows, rec, block=32, search_block=16, cap=cap)
-            assert torch.equal(got, want), (cap, got, want)
+        for cap, fold in ((8, 1), (32, 1), (256, 1), (8, 4), (32, 2)):  # fold: count passes read 2 or 4 blocks a step
+            got, want = both(rows, rec, block=32, search_block=16, cap=cap, fold=fold)
+            assert torch.equal(got, want), (cap, fold, got, want)
+        got, want = both(rows[:, :250].contiguous(), rec, block=32, search_block=16, cap=8, fold=4)  # a ragged tail
+        assert torch.equal(got, want), (got, want)
     assert all(40 <= t < 120 for t in want[[5, 6]].tolist())
 
 
