@@ -130,8 +130,8 @@ def test_unit_float_stays_strictly_inside_0_1_at_the_extreme_hashes():
     assert float(u[-1]) == 1 - 2**-24 and float(u[0]) == 2**-24
 
 
-@pytest.mark.parametrize("dtype", ["*bf16", "*fp32"])
-def test_kernel_compiles_for_hopper_without_fma(dtype):
+@pytest.mark.parametrize("dtype, fold", [("*bf16", 1), ("*fp32", 1), ("*bf16", 4)])
+def test_kernel_compiles_for_hopper_without_fma(dtype, fold):
     """The kernel through Triton's whole CUDA pipeline for sm_90 (PTX and cubin, no GPU needed): the
     interpreter does not check types as the compiler does. No FMA: x * inv_t - max rounds as the reference's; no
     register spills (local memory) with the candidate buffer's sort in registers."""
@@ -144,9 +144,10 @@ def test_kernel_compiles_for_hopper_without_fma(dtype):
 
     sig = {"logits_ptr": dtype, "stride_row": "i32", "params_ptr": "*i32", "paramsf_ptr": "*fp32",
            "stride_params": "i32", "out_ptr": "*i64", "V": "i32", "work_ptr": "*i32", "BLOCK": "constexpr",
-           "SEARCH_BLOCK": "constexpr", "NP": "constexpr", "CAP": "constexpr", "SMALL": "constexpr"}
-    src = ASTSource(fn=_sample_kernel, signature=sig,
-                    constexprs={"BLOCK": 1024, "SEARCH_BLOCK": 256, "NP": PIVOTS, "CAP": CAP, "SMALL": SMALL})
+           "SEARCH_BLOCK": "constexpr", "NP": "constexpr", "CAP": "constexpr", "SMALL": "constexpr",
+           "FOLD": "constexpr"}
+    src = ASTSource(fn=_sample_kernel, signature=sig, constexprs={"BLOCK": 1024, "SEARCH_BLOCK": 256, "NP": PIVOTS,
+                                                                  "CAP": CAP, "SMALL": SMALL, "FOLD": fold})
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8,
                                                                              "enable_fp_fusion": False})
     ptx = compiled.asm["ptx"]
