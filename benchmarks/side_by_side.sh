@@ -5,23 +5,25 @@
 # compares the two engines.
 # On the GPU machine, from the repository root, after `bash .peer/setup.sh` (vLLM in /tmp/site, the random
 # Llama-3.1-8B-shape checkpoint with a word-level tokenizer in /root/llama8b):
-#   bash benchmarks/side_by_side.sh OUT_DIR [offline] [serve] [grpo] [vbench]    (default: offline serve)
+#   bash benchmarks/side_by_side.sh OUT_DIR [offline] [serve] [grpo] [vbench] [sampled]  (default: offline serve)
 #     offline  .peer/side_offline.py: batch 1 / 8 / 64 / 256 and the mixed 256 / 2048 draws (ONLY=static_1,...
 #              picks some, TEMP=1.0 samples instead of greedy); about 5 min an engine
 #     grpo     .peer/side_offline.py --grpo: 64 prompts x n=16, 256 in / 512 out, temperature 1, seeded
 #     serve    .peer/side_serve.sh: the server, then the 564/128 streaming sweep (CONCS=1,8,16,32,64)
 #     vbench   the same with VBENCH=1: vLLM's own `bench serve` client at concurrency 64, server-default sampling
+#     sampled  benchmarks/serve_sampled.sh: one server, the greedy client at c = 64, then `vllm bench serve` at
+#              c = 64 at the server's default sampling and at temperature 0.8 / top-p 0.95 / top-k 50
 #   DTYPES="bf16 fp8" (default bf16) and ENGINES="pagefleet vllm" (the default) pick the runs.
 # Each run's output is kept in OUT_DIR/PART-ENGINE-DTYPE.log, and the table covers every log in OUT_DIR: parts run
 # in separate calls (a persistent OUT_DIR such as /root/side) add up to one table. `side_by_side.sh DIR table`
 # only prints it, on any machine.
 set -uo pipefail
-out=${1:?usage: benchmarks/side_by_side.sh OUT_DIR [offline] [serve] [grpo] [vbench] [table]}
+out=${1:?usage: benchmarks/side_by_side.sh OUT_DIR [offline] [serve] [grpo] [vbench] [sampled] [table]}
 shift
 parts=("$@")
 [ ${#parts[@]} -gt 0 ] || parts=(offline serve)
 for part in "${parts[@]}"; do
-  case $part in offline | grpo | serve | vbench | table) ;; *) echo "unknown part $part"; exit 2 ;; esac
+  case $part in offline | grpo | serve | vbench | sampled | table) ;; *) echo "unknown part $part"; exit 2 ;; esac
 done
 mkdir -p "$out"
 out=$(realpath "$out")
@@ -54,6 +56,7 @@ for part in "${parts[@]}"; do
         grpo) python3 .peer/side_offline.py "$eng" "$dt" /root/llama8b --grpo ;;
         serve) bash .peer/side_serve.sh "$eng" "$dt" ;;
         vbench) CONCS=${CONCS:-1} VBENCH=1 bash .peer/side_serve.sh "$eng" "$dt" ;;
+        sampled) bash benchmarks/serve_sampled.sh "$eng" "$dt" ;;
       esac 2>&1 | tee "$log"
     done
   done
@@ -91,14 +94,16 @@ for log in sorted(Path(sys.argv[1]).glob("*.log")):
                 figures[f"c={c}: output tok/s"] = r["out_tok_s"]
                 figures[f"c={c}: TTFT p50 / p99 (ms)"] = (r["ttft_p50_ms"], r["ttft_p99_ms"])
                 figures[f"c={c}: inter-token p50 (ms)"] = r["itl_p50_ms"]
-        elif line.startswith("-- same, --temperature 0"):
-            figures["_t0"] = True
+        elif line.startswith("-- same, --temperature 0"):  # side_serve.sh with VBENCH_T0=1
+            figures["_at"] = "temperature 0"
+        elif line.startswith("-- bench serve: "):  # serve_sampled.sh
+            figures["_at"] = line[len("-- bench serve: "):].strip()
         else:
             m = re.match(r"(Output token throughput|Median TPOT|Median TTFT|P99 TTFT) \((tok/s|ms)\):\s+([\d.]+)", line)
             if m:
-                at = "bench serve c=64, temperature 0" if figures.get("_t0") else "bench serve c=64, temperature 1"
+                at = f"bench serve c=64, {figures.get('_at', 'temperature 1')}"
                 figures[f"{at}: {m[1]} ({m[2]})"] = float(m[3])
-    figures.pop("_t0", None)
+    figures.pop("_at", None)
 
 
 def cell(v):
