@@ -115,6 +115,9 @@ def fleet(tmp_path_factory):
             p.wait_ready()
         yield workers, gateways
     finally:
+        for p in procs:  # told together, waited for in turn: the shutdowns overlap too
+            if p.proc.poll() is None:
+                p.proc.terminate()
         for p in procs:
             p.stop()
 
