@@ -209,10 +209,10 @@ def test_tool_choice_required_always_yields_a_valid_call(server):
 
 def test_named_function_always_yields_its_call(server):
     asks = [(ask, name) for ask in ASKS[1:3] for name in SCHEMAS]
-    outs = chats(server, [(ask, {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": name}},
-                                 "temperature": 0.8, "seed": len(ask)}) for ask, name in asks])
-    (two,) = chats(server, [(ASKS[0], {"tools": TOOLS, "n": 2, "temperature": 1.0, "seed": 9,
-                                       "tool_choice": {"type": "function", "function": {"name": "add"}}})])
+    *outs, two = chats(server, [(ask, {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": name}},
+                                       "temperature": 0.8, "seed": len(ask)}) for ask, name in asks]
+                       + [(ASKS[0], {"tools": TOOLS, "n": 2, "temperature": 1.0, "seed": 9,
+                                     "tool_choice": {"type": "function", "function": {"name": "add"}}})])
     assert len(two.choices) == 2  # each sample its own matcher state
     for name, c in [(name, r.choices[0]) for (_, name), r in zip(asks, outs)] + [("add", c) for c in two.choices]:
         assert c.finish_reason == "tool_calls" and len(c.message.tool_calls) == 1
