@@ -25,9 +25,10 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 # ---------------------------------------------------------------- Triton (interpreter) against references
 
 # Decode splits: 1 (no partials), 3 (a padded split count) and 16, the most the engine picks, where most slices
-# of these short sequences are empty. 16 splits cost the interpreter five times 3's, and run fp32 only: the dtype
+# of these short sequences are empty. 16 splits cost the interpreter three times 3's, and run fp32 only: the dtype
 # meets the loads and the output store, which 1 and 3 cover in both; the partials and their merge are fp32 always.
-SPLIT_CASES = [(dtype, n) for n in (1, 3) for dtype in DTYPES] + [(torch.float32, 16)]
+SPLIT_CASES = [pytest.param(dtype, n, id=f"{str(dtype).removeprefix('torch.')}-{n}")
+               for dtype, n in [(dtype, n) for n in (1, 3) for dtype in DTYPES] + [(torch.float32, 16)]]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
