@@ -224,26 +224,60 @@ class EngineStep:
         if relaunched is None:
             relaunched = self.pending.seq_ids if self.pending is not None else set()
         ended: set[str] = set()  # requests a sequence of which ends now
+        skipped: list[int] = []  # rows finished (or aborted) while this step ran
+        emit = self.emit_partial
         commit = self.block_manager.commit_full_blocks
+        bs = self.block_manager.block_size
+        hash_always = self.block_manager.state is not None  # commit_full_blocks has snapshots to take
+        eos, max_model_len = self.eos_token_ids, self.max_model_len
+        plain_tokens = 0
         tokens = step.tokens.read()
-        for seq, token, logprob in zip(step.seqs, tokens, step.tokens.logprobs(), strict=True):
+        for i, (seq, token, logprob) in enumerate(zip(step.seqs, tokens, step.tokens.logprobs(), strict=True)):
             if seq.status is FINISHED:  # finished (or aborted) while this step ran: its token is dropped
+                skipped.append(i)
                 continue
             again = seq.seq_id in relaunched  # a later step is already running over this token
             ids = seq.token_ids
             at = len(ids) - (2 if again else 1)
             assert ids[at] == PLACEHOLDER
-            del ids[at:]
-            self._append_token(seq, token, logprob)  # stop checks and text see only real tokens
-            if seq.status is not FINISHED:
-                if again:
+            p = seq.params
+            if seq.grammar is not None or (p.detokenize and (p.stop or emit)):
+                del ids[at:]
+                self._append_token(seq, token, logprob)  # stop checks and text see only real tokens
+                finished = seq.status is FINISHED
+                if not finished and again:
                     ids.append(PLACEHOLDER)
-                commit(seq)
             else:
+                # No text and no grammar this step (_append_token's rules without them): the token takes its
+                # placeholder's place, and a later step's placeholder behind it stays
+                ids[at] = token
+                plain_tokens += 1
+                if logprob is not None:
+                    seq.logprobs.append(logprob)
+                num_output = at + 1 - seq.num_prompt_tokens
+                if num_output >= p.min_tokens and not p.ignore_eos and token in eos:
+                    seq.finish_reason = "stop"
+                elif token in p.stop_token_ids and num_output >= p.min_tokens:
+                    seq.finish_reason, seq.stop_reason = "stop", token
+                elif (p.max_tokens is not None and num_output >= p.max_tokens) or at + 1 >= max_model_len:
+                    seq.finish_reason = "length"
+                finished = seq.finish_reason is not None
+                if finished:
+                    del ids[at + 1:]
+                    self._finish(seq)
+            if finished:
                 ended.add(seq.request_id)
-            touched[seq.request_id] = requests[seq.request_id]
-        if not self.emit_partial:  # offline: only a request a sequence of which ended now can be done
-            return {rid: request for rid, request in touched.items() if rid in ended} if ended else {}
+            elif hash_always or seq.num_computed_tokens // bs > len(seq.block_hashes):  # a block filled: hash it
+                commit(seq)
+            if emit:
+                touched[seq.request_id] = requests[seq.request_id]
+        self.generation_tokens_total += plain_tokens
+        if not emit:  # offline: only a request a sequence of which ended now can be done
+            if not ended:
+                return {}
+            rows = (i for i in range(len(step.seqs)) if i not in skipped) if skipped else range(len(step.seqs))
+            seqs = step.seqs
+            return {seqs[i].request_id: requests[seqs[i].request_id] for i in rows if seqs[i].request_id in ended}
         return touched
 
     def _append_token(self, seq: Sequence, token: int, logprob) -> None:
