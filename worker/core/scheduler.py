@@ -54,15 +54,23 @@ class Scheduler:
         bm = self.block_manager
         stateful = bm.state is not None  # without recurrent state, chunks never end at a snapshot boundary
         seqs, counts = batch.seqs, batch.num_new_tokens
+        bs, blocks = bm.block_size, bm.blocks
         # 1. Running sequences: decodes and unfinished prompt chunks (every running sequence: kept to reads).
         for seq in list(self.running):
             if budget == 0:
                 break
             if seq.status is not RUNNING:  # preempted earlier in this loop
                 continue
-            n = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
+            computed, table = seq.num_computed_tokens, seq.block_table
+            n = min(len(seq.token_ids) - computed, budget)
             if stateful:
                 n = bm.state_chunk(seq, n)
+            elif n == 1 and computed < len(table) * bs and blocks[table[computed // bs]].ref_count == 1:
+                # allocate's no-op, inlined: a decode inside its own last block, which no other sequence holds
+                seqs.append(seq)
+                counts.append(1)
+                budget -= 1
+                continue
             while not bm.allocate(seq, n):
                 victim = self.running[-1]
                 self._preempt(victim, batch)

@@ -118,16 +118,24 @@ class SamplingState:
         self.index: dict[int, int] = {}  # seq_id -> row of the table
         self.uses_penalties: dict[int, bool] = {}  # seq_id -> penalised every step (not only under min_tokens)
         self.slots: PenaltySlots | None = None
+        # the last step's sequences and their table rows: a step over the same ones reuses the rows' index
+        self._seqs: list[Sequence] = []
+        self._at = np.zeros(0, dtype=np.int64)
 
     def rows(self, seqs: list[Sequence], vocab_size: int, eos_token_ids: list[int]) -> np.ndarray:
         """The step's records, int32 [R, ROW], output positions set; sequences seen first here join."""
-        index = self.index
-        for seq in seqs:
-            if seq.seq_id not in index:
-                self._join(seq, vocab_size, eos_token_ids)
-        at = np.fromiter((index[s.seq_id] for s in seqs), dtype=np.int64, count=len(seqs))
+        if seqs == self._seqs:  # the last step's sequences in their order (a list compare by identity, in C)
+            at = self._at
+        else:
+            index = self.index
+            for seq in seqs:
+                if seq.seq_id not in index:
+                    self._join(seq, vocab_size, eos_token_ids)
+            at = np.fromiter((index[s.seq_id] for s in seqs), dtype=np.int64, count=len(seqs))
+            self._seqs, self._at = list(seqs), at
         rows = self.table[at]
-        rows[:, ref.POSITION] = np.fromiter((s.num_output_tokens for s in seqs), dtype=np.int32, count=len(seqs))
+        rows[:, ref.POSITION] = np.fromiter((len(s.token_ids) - s.num_prompt_tokens for s in seqs), dtype=np.int32,
+                                            count=len(seqs))  # num_output_tokens, without the property's call
         return rows
 
     def processed(self, seqs: list[Sequence], rows: np.ndarray) -> np.ndarray:
@@ -173,6 +181,7 @@ class SamplingState:
         i = self.index.pop(seq.seq_id, None)
         if i is None:
             return
+        self._seqs = []  # its row may go to another sequence
         self.uses_penalties.pop(seq.seq_id, None)
         slot = int(self.table[i, SLOT])
         if slot >= 0:
