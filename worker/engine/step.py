@@ -35,6 +35,18 @@ FINISHED = SequenceStatus.FINISHED
 GRAMMAR_WAIT_S = 0.01  # an empty step with grammars compiling waits this long for one, instead of spinning
 
 
+def token_finish(p, token: int, num_output: int, length: int, eos_token_ids, max_model_len: int):
+    """The finish rules a sampled token meets after stop strings and grammars: (finish_reason, stop_reason) for
+    an end of sequence, a stop token or a length limit (num_output tokens out, length in all), else None."""
+    if num_output >= p.min_tokens and not p.ignore_eos and token in eos_token_ids:
+        return "stop", None
+    if token in p.stop_token_ids and num_output >= p.min_tokens:
+        return "stop", token
+    if (p.max_tokens is not None and num_output >= p.max_tokens) or length >= max_model_len:
+        return "length", None
+    return None
+
+
 @dataclass
 class PendingStep:
     """A launched step's sampling sequences and their tokens: `tokens` is model_runner.PendingTokens while
@@ -254,15 +266,10 @@ class EngineStep:
                 plain_tokens += 1
                 if logprob is not None:
                     seq.logprobs.append(logprob)
-                num_output = at + 1 - seq.num_prompt_tokens
-                if num_output >= p.min_tokens and not p.ignore_eos and token in eos:
-                    seq.finish_reason = "stop"
-                elif token in p.stop_token_ids and num_output >= p.min_tokens:
-                    seq.finish_reason, seq.stop_reason = "stop", token
-                elif (p.max_tokens is not None and num_output >= p.max_tokens) or at + 1 >= max_model_len:
-                    seq.finish_reason = "length"
-                finished = seq.finish_reason is not None
+                rule = token_finish(p, token, at + 1 - seq.num_prompt_tokens, at + 1, eos, max_model_len)
+                finished = rule is not None
                 if finished:
+                    seq.finish_reason, seq.stop_reason = rule
                     del ids[at + 1:]
                     self._finish(seq)
             if finished:
@@ -305,12 +312,8 @@ class EngineStep:
             seq.finish_reason, seq.stop_reason = "stop", stop
         elif grammar is not None and grammar.terminated:  # the grammar is complete and took its end token
             seq.finish_reason = "stop"
-        elif num_output >= p.min_tokens and not p.ignore_eos and token in self.eos_token_ids:
-            seq.finish_reason = "stop"
-        elif token in p.stop_token_ids and num_output >= p.min_tokens:
-            seq.finish_reason, seq.stop_reason = "stop", token
-        elif (p.max_tokens is not None and num_output >= p.max_tokens) or len(ids) >= self.max_model_len:
-            seq.finish_reason = "length"
+        elif (rule := token_finish(p, token, num_output, len(ids), self.eos_token_ids, self.max_model_len)) is not None:
+            seq.finish_reason, seq.stop_reason = rule
         if seq.finish_reason is not None:
             self._finish(seq)
 
