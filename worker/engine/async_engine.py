@@ -72,17 +72,22 @@ class AsyncLLMEngine:
                 if self._drains and not engine.has_unfinished_requests():
                     self._pause_drained()
                 if self._paused or self._asleep or not engine.has_unfinished_requests():
-                    self._stats = engine.stats()
+                    self._publish()
                     self._wake.wait(IDLE_WAIT_S)
                     self._wake.clear()
                     continue
                 self._deliver_step(engine.step())
-                self._stats = engine.stats()
+                self._publish()
         except BaseException as e:  # a dead loop must not leave clients hanging
             self._error = e
             log.error("engine loop stopped: %s\n%s", e, traceback.format_exc())
             for request_id in list(self._streams):
                 self._deliver(request_id, EngineDeadError(f"engine loop stopped: {e}"), True)
+
+    def _publish(self) -> None:
+        """After each step and before each idle wait: the stats the probes read (an engine process also
+        sends its step's outputs and these probes to the server here)."""
+        self._stats = self.engine.stats()
 
     def _drain_inbox(self) -> None:
         while True:

@@ -54,6 +54,17 @@ OPEN_PATHS = PROBE_PATHS + ("/openapi.json", "/docs", "/docs/oauth2-redirect", "
 _TYPE_TAG = re.compile(r"^(str|int|float|bool|none|[a-z-]+\[.*\])$")
 
 
+def _engine_facts(engine) -> tuple[int, int, int | None, str | None]:
+    """(KV block size, KV blocks, model vocab size, architecture): an EngineProcess carries them itself, an
+    AsyncLLMEngine wraps the LLMEngine that knows them."""
+    if hasattr(engine, "block_size"):
+        return engine.block_size, engine.num_blocks, engine.vocab_size, engine.architecture
+    core = getattr(engine, "engine", engine)
+    model_config = getattr(core, "model_config", None)
+    return (core.block_manager.block_size, core.block_manager.num_blocks, getattr(model_config, "vocab_size", None),
+            getattr(model_config, "architecture", None))
+
+
 class ServerState:
     """What the handlers share: the engine, the limits, and the counts that admission and drain read."""
 
@@ -73,14 +84,12 @@ class ServerState:
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
         self.max_num_seqs = engine.load()["max_num_seqs"]
-        core = getattr(engine, "engine", engine)  # AsyncLLMEngine wraps the LLMEngine that knows the model
+        block_size, num_blocks, model_vocab, architecture = _engine_facts(engine)
         # On /load: the gateway's prefix index cuts prompts into this block size and bounds its LRU by these blocks.
-        self.kv_blocks = {"block_size": core.block_manager.block_size, "num_blocks": core.block_manager.num_blocks}
-        model_vocab = getattr(getattr(core, "model_config", None), "vocab_size", None)
+        self.kv_blocks = {"block_size": block_size, "num_blocks": num_blocks}
         self.vocab_size = min(len(self.tokenizer), model_vocab or len(self.tokenizer))
         self._token_text: dict[int, str] = {}
         # Tools: the format parser (--tool-call-parser, else the model family's), and whether "auto" is served.
-        architecture = getattr(getattr(core, "model_config", None), "architecture", None)
         self.tool_parser: ToolParser = tool_parser(tool_call_parser, architecture)
         self.enable_auto_tool_choice = enable_auto_tool_choice
         if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:

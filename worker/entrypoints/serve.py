@@ -46,6 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="split a reply's <think> block into reasoning_content")
     a("--timeout-keep-alive", type=float, default=KEEP_ALIVE_S,
       help="seconds an idle HTTP keep-alive connection stays open")
+    a("--engine-process", action="store_true", default=os.environ.get("PAGEFLEET_ENGINE_PROCESS") == "1",
+      help="run the engine's step loop in a process of its own, apart from the HTTP server's GIL "
+           "(default: $PAGEFLEET_ENGINE_PROCESS=1, else one process)")
     a("--disable-access-log", action="store_true")
     a("--log-level", default="info")
 
@@ -110,7 +113,12 @@ def run(args: argparse.Namespace) -> int:
         print("pagefleet serve: --lora-modules takes NAME=PATH pairs and needs --enable-lora")
         return 2
     try:
-        engine = AsyncLLMEngine(config)
+        if args.engine_process:
+            from pagefleet.worker.engine.engine_process import EngineProcess
+
+            engine = EngineProcess(config)
+        else:
+            engine = AsyncLLMEngine(config)
 
         async def load_adapters():  # through the loop thread, as every later load goes
             for name, path in modules:
