@@ -1,10 +1,13 @@
 """Sampled against greedy decoding: the sampling kernel alone, and offline through one engine.
 
---kernel: kernels/sampling.py alone on bf16 logits of the 8B shape's vocabulary (128,256) at batch 1, 16, 64 and
-256, per setting, against greedy's argmax kernel and against the sampling kernel of another commit (--baseline,
-read with `git show`, so the old kernel lives only here): median of CUDA-event-timed launches, in us. --fold F ...
-also times today's kernel with its count passes reading F search blocks a step, each column checked to draw the
-same tokens as the default.
+--kernel: kernels/sampling.py alone on bf16 logits of the 8B shape's vocabulary (128,256) at batch 1, 4, 16, 64
+and 256, per setting, against greedy's argmax kernel and against the sampling kernel of another commit
+(--baseline, read with `git show`, so the old kernel lives only here): median of CUDA-event-timed launches, in us.
+"per-row" is the one-program-per-row kernel (split=False); at batch <= 64 "split" is the row split across
+programs (split=True, sampling_split.py), timed as launched and as one CUDA graph replay (its launches without the
+host's gaps between them), its tokens checked against the per-row kernel's (they may differ only at a top-p edge
+within rounding). --fold F ... also times the per-row kernel with its count passes reading F search blocks a step,
+each column checked to draw the same tokens as the default.
 MODEL_DIR: the same 64 prompts (512 in / 128 out) under five sampling settings, one engine on one GPU, prefix
 cache reset before each run, each setting run twice and the second run printed (the first compiles nothing after
 start-up, but warms the allocator): what the device-side sampler costs per setting beside greedy.
@@ -86,25 +89,36 @@ def kernel_table(baseline: str | None, scale: float, folds: list[int]) -> None:
 
     print(f"sampling kernel alone, bf16 logits N(0, {scale}^2) x {VOCAB:,}, median us per launch"
           + (f"; old = kernels/sampling.py at {baseline}" if old else ""), flush=True)
-    print(f"{'setting':30s} {'batch':>5s} {'new us':>9s}" + (f" {'old us':>9s} {'old/new':>7s}" if old else "")
-          + f" {'same tokens':>11s}" + "".join(f" {f'fold {f} us':>10s} {'same':>5s}" for f in folds), flush=True)
+    print(f"{'setting':30s} {'batch':>5s} {'per-row us':>10s} {'split us':>9s} {'graph us':>9s} {'same':>5s}"
+          + (f" {'old us':>9s} {'old/new':>7s} {'same tokens':>11s}" if old else "")
+          + "".join(f" {f'fold {f} us':>10s} {'same':>5s}" for f in folds), flush=True)
     g = torch.Generator(device="cuda").manual_seed(0)
-    for batch in (1, 16, 64, 256):
+    for batch in (1, 4, 16, 64, 256):
         logits = (torch.randn(batch, VOCAB, generator=g, device="cuda") * scale).to(torch.bfloat16)
         us = time_us(lambda logits=logits: greedy.argmax(logits))
-        print(f"{'greedy (argmax kernel)':30s} {batch:5d} {us:9.1f}", flush=True)
+        print(f"{'greedy (argmax kernel)':30s} {batch:5d} {us:10.1f}", flush=True)
         for name, setting in KERNEL_SETTINGS.items():
             rec = records(batch, *setting)
-            new = sampling.sample(logits, rec)
-            new_us = time_us(lambda rec=rec, x=logits: sampling.sample(x, rec))
-            line = f"{name:30s} {batch:5d} {new_us:9.1f}"
+            new = sampling.sample(logits, rec, split=False)
+            new_us = time_us(lambda rec=rec, x=logits: sampling.sample(x, rec, split=False))
+            line = f"{name:30s} {batch:5d} {new_us:10.1f}"
+            if batch <= 64:
+                split_us = time_us(lambda rec=rec, x=logits: sampling.sample(x, rec, split=True))
+                out = torch.empty(batch, dtype=torch.int64, device="cuda")
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    sampling.sample(logits, rec, out, split=True)
+                graph_us = time_us(graph.replay)
+                line += f" {split_us:9.1f} {graph_us:9.1f} {int((out == new).sum()):>5d}"
+            else:
+                line += f" {'':9s} {'':9s} {'':5s}"
             if old:
                 old_us = time_us(lambda rec=rec, x=logits: old.sample(x, rec))
                 same = int((old.sample(logits, rec) == new).sum())
                 line += f" {old_us:9.1f} {old_us / new_us:7.2f} {same:>5d} / {batch:<5d}"
             for f in folds:
-                fold_us = time_us(lambda rec=rec, x=logits, f=f: sampling.sample(x, rec, fold=f))
-                line += f" {fold_us:10.1f} {int((sampling.sample(logits, rec, fold=f) == new).sum()):>5d}"
+                fold_us = time_us(lambda rec=rec, x=logits, f=f: sampling.sample(x, rec, fold=f, split=False))
+                line += f" {fold_us:10.1f} {int((sampling.sample(logits, rec, fold=f, split=False) == new).sum()):>5d}"
             print(line, flush=True)
 
 

@@ -1,23 +1,26 @@
 """Sampled token choice without sorting the vocabulary: temperature, top-k, top-p, min-p and a seeded draw per row.
 
-One program per row, a few passes over its row. The first finds the row's max and, per lane of a block, the lane's
-max: the k-th largest of those lane maxima is a lower bound on the k-th largest value (k lanes hold a value at least
-that large), usually within a few tokens of it. Every token at or above such a bound is then gathered into a per-row
-buffer of CAP (key, token) pairs, and the thresholds come from sorting that buffer, not the row. Where the bound is
-too loose (top-p alone, or a large k), count passes narrow a bracket [lo, hi) of the values in their ordered-integer
-form: each pass counts, and sums the probability mass, at or above 16 pivots, 12 spaced in value (geometrically from
-the max while the bracket is open below, linearly inside it) and 4 in keys (progress whatever the values), until the
-bracket holds at most CAP tokens, which are gathered and sorted; a bracket that cannot shrink is one value (ties),
-and is the threshold. Top-p after top-k works on top-k's buffer when it holds every survivor. When the buffer holds
-every kept token the draw reads only the buffer, else one more pass over the row. The draw is the exponential race
-argmax p_i / E_i written as Gumbel-max (argmax x_i - log E_i), its uniform variates a counter-based hash of (seed,
-output position, token id): a row's draw depends on nothing else in the batch, and reference.sample draws the same.
+One program per row, a few passes over its row; batches of at most sampling_split.SPLIT_ROWS rows, where one program
+per row would leave most SMs idle, take sampling_split.py's path instead (each row split across programs, the same
+tokens). Per row, the first pass finds the row's max and, per lane of a block, the lane's max: the k-th largest of
+those lane maxima is a lower bound on the k-th largest value (k lanes hold a value at least that large), usually
+within a few tokens of it. Every token at or above such a bound is then gathered into a per-row buffer of CAP (key,
+token) pairs, and the thresholds come from sorting that buffer, not the row. Where the bound is too loose (top-p
+alone, or a large k), count passes narrow a bracket [lo, hi) of the values in their ordered-integer form: each pass
+counts, and sums the probability mass, at or above 16 pivots, 12 spaced in value (geometrically from the max while
+the bracket is open below, linearly inside it) and 4 in keys (progress whatever the values), until the bracket holds
+at most CAP tokens, which are gathered and sorted; a bracket that cannot shrink is one value (ties), and is the
+threshold. Top-p after top-k works on top-k's buffer when it holds every survivor. When the buffer holds every kept
+token the draw reads only the buffer, else one more pass over the row. The draw is the exponential race argmax p_i /
+E_i written as Gumbel-max (argmax x_i - log E_i), its uniform variates a counter-based hash of (seed, output
+position, token id): a row's draw depends on nothing else in the batch, and reference.sample draws the same.
 
 Semantics (reference.sample is the definition): x = logits * inv_temperature (fp32); top-k keeps x >= the
 k-th largest x (all ties at the threshold stay); top-p keeps, among those, every token whose strictly larger
 survivors hold less than top_p of the survivors' mass (the smallest set reaching top_p, ties at its edge
 kept, the top token always); min-p keeps x - max(x) >= log(min_p). Rows with inv_temperature 0 (greedy) are
-left as they are in `out`. Not for use inside a CUDA graph capture (outside the graphs for now).
+left as they are in `out`. The per-row kernel is not for use inside a CUDA graph capture (outside the graphs for
+now); the split path's fixed sequence of launches is.
 """
 import torch
 import triton
@@ -50,6 +53,18 @@ def _uniform(tokens, k1, k2):
     bits the top value, 1 - 2**-25, rounds to 1.0 in fp32: one id in 2**24 per row scored +inf and won)."""
     h = _fmix32(_fmix32(tokens + k1) ^ k2)
     return ((h >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07
+
+
+@triton.jit
+def _row_noise_keys(p_i):
+    """The row keys k1, k2 of _uniform from the row record's seed words and output position (fields 4 ... 6)."""
+    seed_lo = tl.load(p_i + 4).to(tl.uint32, bitcast=True)
+    seed_hi = tl.load(p_i + 5).to(tl.uint32, bitcast=True)
+    position = tl.load(p_i + 6).to(tl.uint32, bitcast=True)
+    a = _fmix32(position * 0x9E3779B9 + 0x632BE5AB)
+    a = _fmix32(a ^ seed_hi)
+    k1 = _fmix32(a ^ seed_lo)
+    return k1, _fmix32(k1 + 0x7F4A7C15)
 
 
 @triton.jit
@@ -252,9 +267,6 @@ def _sample_kernel(logits_ptr, stride_row, params_ptr, paramsf_ptr, stride_param
         top_k = tl.load(p_i + 1)
         top_p = tl.load(p_f + 2)
         log_min_p = tl.load(p_f + 3)
-        seed_lo = tl.load(p_i + 4).to(tl.uint32, bitcast=True)
-        seed_hi = tl.load(p_i + 5).to(tl.uint32, bitcast=True)
-        position = tl.load(p_i + 6).to(tl.uint32, bitcast=True)
         base = logits_ptr + row.to(tl.int64) * stride_row
         keys_ptr = work_ptr + row.to(tl.int64) * (2 * CAP)
         ids_ptr = keys_ptr + CAP
@@ -306,10 +318,7 @@ def _sample_kernel(logits_ptr, stride_row, params_ptr, paramsf_ptr, stride_param
                     thr = _solve_top_p(keys_ptr, n, m, thr, hi, mass_hi, target, SMALL)
                 else:
                     thr = _solve_top_p(keys_ptr, n, m, thr, hi, mass_hi, target, CAP)
-        a = _fmix32(position * 0x9E3779B9 + 0x632BE5AB)
-        a = _fmix32(a ^ seed_hi)
-        k1 = _fmix32(a ^ seed_lo)
-        k2 = _fmix32(k1 + 0x7F4A7C15)
+        k1, k2 = _row_noise_keys(p_i)
         if in_buffer:
             if n <= SMALL:
                 best_idx = _draw_buffer(keys_ptr, ids_ptr, n, m, thr, log_min_p, k1, k2, SMALL)
@@ -332,13 +341,28 @@ def _sample_kernel(logits_ptr, stride_row, params_ptr, paramsf_ptr, stride_param
         tl.store(out_ptr + row, best_idx.to(tl.int64))
 
 
+def splits(rows: int, split: bool | None = None, split_rows: int | None = None) -> bool:
+    """Whether sample() splits each row across programs: as told, else for batches of at most split_rows rows
+    (sampling_split.SPLIT_ROWS unless told), which one program per row would leave most of the SMs idle with."""
+    from . import sampling_split
+
+    if split is not None:
+        return split
+    return rows <= (sampling_split.SPLIT_ROWS if split_rows is None else split_rows)
+
+
 def sample(logits: torch.Tensor, params: torch.Tensor, out: torch.Tensor | None = None, block: int = 1024,
-           search_block: int = 256, cap: int = CAP, fold: int = 1) -> torch.Tensor:
+           search_block: int = 256, cap: int = CAP, fold: int = 1, split: bool | None = None,
+           split_rows: int | None = None, chunk: int | None = None) -> torch.Tensor:
     """logits [R, V] (last dim contiguous, any float dtype), params int32 [R, >= SAMPLE_FIELDS] (row records, the
     row stride a multiple of 4 so every row is 16-byte aligned) -> int64 [R]: a drawn token for every row with
     inv_temperature > 0; the other rows of `out` are left as they are (uninitialised without `out`). block and
     cap: powers of two (cap: the candidates gathered per row); fold: logits a count pass reads a step, in
-    search_blocks (a power of two)."""
+    search_blocks (a power of two). split: the row split across programs of `chunk` logits (sampling_split.py;
+    the same tokens), True or False to force either path, None to split batches of at most split_rows rows
+    (sampling_split.SPLIT_ROWS unless told)."""
+    from . import sampling_split  # imports this module's helpers: imported once this module has run
+
     R, V = logits.shape
     assert logits.stride(-1) == 1 and params.dtype == torch.int32 and params.shape[1] >= SAMPLE_FIELDS
     assert fold >= 1 and fold & (fold - 1) == 0, fold
@@ -346,6 +370,8 @@ def sample(logits: torch.Tensor, params: torch.Tensor, out: torch.Tensor | None 
         out = torch.empty(R, dtype=torch.int64, device=logits.device)
     if R == 0:
         return out
+    if splits(R, split, split_rows):
+        return sampling_split.sample_split(logits, params, out, sampling_split.CHUNK if chunk is None else chunk)
     work = torch.empty((R, 2, cap), dtype=torch.int32, device=logits.device)
     # no FMA contraction: x * inv_t and x - max round as in the reference, so thresholds and ties agree
     _sample_kernel[(R,)](logits, logits.stride(0), params, params.view(torch.float32), params.stride(0), out, V,

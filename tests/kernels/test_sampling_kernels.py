@@ -154,6 +154,44 @@ def test_kernel_compiles_for_hopper_without_fma(dtype, fold):
     assert compiled.asm["cubin"] and "fma.rn.f32" not in ptx and "ld.local" not in ptx
 
 
+@pytest.mark.parametrize("dtype", ["*bf16", "*fp32"])
+def test_split_kernels_compile_for_hopper_without_fma(dtype):
+    """The split path's kernels (sampling_split.py), every pass's variant, through the CUDA pipeline for sm_90: no
+    FMA (x * inv_t and x - max round as the reference's), no register spills."""
+    pytest.importorskip("triton")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from pagefleet.kernels import sampling_split as split
+
+    row = {"params_ptr": "*i32", "paramsf_ptr": "*fp32", "stride_params": "i32", "V": "i32", "st_ptr": "*i32",
+           "stf_ptr": "*fp32"}
+    chunk = {"logits_ptr": dtype, "stride_row": "i32"}
+    nb = 1 << split.BITS
+    variants = []
+    for mass in (False, True):
+        for first in (True, False):
+            flags = {"NB": nb, "SHIFT": 0 if first else 8, "FIRST": first, "MASS": mass, "WITH_MAX": first and not mass}
+            variants.append((split._hist_kernel, {**chunk, **row, "cmax_ptr": "*fp32",
+                                                  "hist_ptr": "*fp32" if mass else "*i32", "n_chunks": "i32"},
+                             {"CHUNK": split.CHUNK, "SUB": split.SUB, "BITS": split.BITS, **flags}))
+            variants.append((split._select_kernel, {**row, "cmax_ptr": "*fp32", "hist_ptr": "*i32",
+                                                    "n_chunks": "i32"}, {"CBLOCK": 128, "CTILE": 16, **flags}))
+    variants.append((split._draw_kernel, {**chunk, **row, "val_ptr": "*fp32", "idx_ptr": "*i32", "n_chunks": "i32"},
+                     {"CHUNK": split.CHUNK}))
+    variants.append((split._pick_kernel, {"paramsf_ptr": "*fp32", "stride_params": "i32", "val_ptr": "*fp32",
+                                          "idx_ptr": "*i32", "out_ptr": "*i64", "n_chunks": "i32"}, {"CBLOCK": 128}))
+    for fn, sig, constexprs in variants:
+        sig = {**sig, **{k: "constexpr" for k in constexprs}}
+        sig = {name: sig[name] for name in fn.arg_names}  # in the kernel's argument order
+        src = ASTSource(fn=fn, signature=sig, constexprs=constexprs)
+        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4,
+                                                                                 "enable_fp_fusion": False})
+        ptx = compiled.asm["ptx"]
+        assert compiled.asm["cubin"] and "fma.rn.f32" not in ptx and "ld.local" not in ptx, (fn, constexprs)
+
+
 def test_triton_sampling_under_interpreter():
     """The Triton kernel against reference.sample on tiny CPU shapes, in a child process."""
     pytest.importorskip("triton")

@@ -129,3 +129,58 @@ def test_triton_sample_edge_settings():
                       seed=np.arange(8) + 40, position=5)
         got, want = both(y, rec, block=64, search_block=32)
         assert torch.equal(got, want), (dtype, got, want)
+
+
+
+def split_rows(V):
+    """Rows of V logits, one per case below: each filter alone and together, greedy rows, ties at a threshold
+    across chunks, a row of -inf but one token, banned tokens, flat logits (top-p's edge far down the row)."""
+    g = torch.Generator().manual_seed(17)
+    x = torch.randn(16, V, generator=g) * 2.5
+    x[3] = torch.randn(V, generator=g) * 0.05  # flat
+    x[7, :] = -1.0
+    x[7, [5, 150, 151, V - 1]] = 3.0  # four tied at the top, in every chunk (the last one partial)
+    x[8] = x[7]
+    x[9, :] = float("-inf")
+    x[9, 100] = 0.5  # all -inf but one
+    x[10, ::7] = float("-inf")  # banned tokens among live ones
+    cases = [  # temperature, top_k, top_p, min_p
+        (1.0, 0, 1.0, 0.0), (0.7, 5, 1.0, 0.0), (1.3, 40, 0.8, 0.05), (1.0, 0, 0.9, 0.0),
+        (0.0, 0, 1.0, 0.0), (1.0, 3, 0.5, 0.1), (2.0, 1, 1.0, 0.0), (1.0, 2, 1.0, 0.0),
+        (1.0, 0, 0.3, 0.0), (0.5, 3, 0.9, 0.2), (0.9, 20, 0.6, 0.02), (1.0, 0, 1.0, 0.3),
+        (0.0, 7, 0.5, 0.0), (1.0, V - 1, 0.95, 0.0), (0.8, 50, 0.95, 0.0), (1.0, 0, 0.99, 0.01),
+    ]
+    return x, [list(c) for c in zip(*cases, strict=True)]
+
+
+@pytest.mark.parametrize("dtype, step", [(torch.float32, 0), (torch.bfloat16, 1)])
+def test_triton_split_matches_per_row_and_reference(dtype, step):
+    """The split path (R * ceil(V / chunk) programs, V = 333 over chunks of 128: a partial last chunk) against
+    the per-row kernel and the reference, token for token: every filter and their combinations, ties at the
+    top-k and top-p thresholds across chunks, a row of -inf but one, banned tokens, greedy rows left alone."""
+    V = 333
+    x, (temps, top_k, top_p, min_p) = split_rows(V)
+    x = x.to(dtype)
+    rec = records(temps, top_k, top_p, min_p, seed=np.arange(16) * 31 - 4, position=np.arange(16) + step * 5)
+    out = torch.full((16,), -5, dtype=torch.int64)
+    got = sampling.sample(x, rec, out.clone(), split=True, chunk=128)
+    per_row = sampling.sample(x, rec, out.clone(), split=False, block=64, search_block=32, cap=32)
+    want = ref.sample(x, rec, out.clone())
+    assert torch.equal(got, want) and torch.equal(per_row, want), (got, per_row, want)
+    assert got[4] == got[12] == -5 and got[9] == 100 and got[7] in (5, 150, 151, V - 1) and got[10] % 7 != 0
+
+
+def test_triton_split_ties_and_the_automatic_switch():
+    """Every tied token at a threshold is drawable through the split path (top-k 2 and top-p 0.3 over three tied
+    at the top, one in each chunk of 16), as in the reference; split=None splits a batch of split_rows rows or
+    fewer, True and False force either path."""
+    n = 16  # P(one of three equally likely tokens never drawn) = 3 * (2 / 3)**16 = 0.005 (fixed seeds: no flake)
+    x = torch.full((n, 40), -2.0)
+    x[:, [3, 21, 39]] = 4.0
+    for top_k, top_p in ((2, 1.0), (0, 0.3)):
+        rec = records(1.0, top_k, top_p, seed=8, position=np.arange(n))
+        got = sampling.sample(x, rec, split=True, chunk=16)
+        assert torch.equal(got, ref.sample(x, rec)) and set(got.tolist()) == {3, 21, 39}
+    assert sampling.splits(1) and sampling.splits(16) and not sampling.splits(64)
+    assert sampling.splits(4, split_rows=4) and not sampling.splits(5, split_rows=4)
+    assert sampling.splits(256, split=True) and not sampling.splits(1, split=False)
