@@ -24,12 +24,13 @@ FLAGS = ("--max-model-len", "512", "--max-num-seqs", "16", "--enable-rl-endpoint
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
-    """(in-process server, engine-process server), started side by side."""
+    """(in-process server, engine-process server, a second engine-process server to kill), started side by side."""
     root = tmp_path_factory.mktemp("engine-process")
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        ref = pool.submit(Server, root / "ref.log", *FLAGS)
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        ref = pool.submit(Server, root / "ref.log", *FLAGS, "--no-engine-process")  # whatever the environment says
         ep = pool.submit(Server, root / "ep.log", *FLAGS, "--engine-process")
-        started = [ref.result(), ep.result()]
+        doomed = pool.submit(Server, root / "doomed.log", "--max-model-len", "64", "--engine-process")
+        started = [ref.result(), ep.result(), doomed.result()]
     yield started
     for s in started:
         s.stop()
@@ -43,6 +44,11 @@ def ref(servers):
 @pytest.fixture(scope="module")
 def ep(servers):
     return servers[1]
+
+
+@pytest.fixture(scope="module")
+def doomed(servers):
+    return servers[2]
 
 
 def engine_child(server: Server) -> psutil.Process:
@@ -221,3 +227,10 @@ def test_killed_child_ends_streams_and_fails_health(ep):
                    json={"model": "smol", "prompt": "hi", "max_tokens": 2})
     assert r.status_code >= 500
     assert ep.proc.poll() is None  # the server itself stays up, reporting its engine dead
+
+
+def test_the_child_dies_with_the_server(doomed):
+    child = engine_child(doomed)
+    doomed.proc.send_signal(signal.SIGKILL)
+    doomed.proc.wait()
+    child.wait(timeout=15)  # psutil.TimeoutExpired if it outlived its server

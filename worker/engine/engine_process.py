@@ -232,9 +232,20 @@ def _die_with_parent() -> None:
             pass
 
 
+def _ignore_stop_signals() -> None:
+    """SIGTERM and SIGINT sent to the whole process group (systemd, a terminal's Ctrl-C) are the server's to act
+    on: it drains, then stops this process. No-op handlers, not SIG_IGN, so the tensor-parallel ranks this
+    process starts get the default actions back at exec."""
+    import signal
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+
+
 def child_main() -> None:
     """The engine process: its end of the socket pair in argv, the engine's config first on it."""
     _die_with_parent()
+    _ignore_stop_signals()
     conn = Connection(int(sys.argv[1]))
     config = _recv(conn)
     try:

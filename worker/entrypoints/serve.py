@@ -46,7 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="split a reply's <think> block into reasoning_content")
     a("--timeout-keep-alive", type=float, default=KEEP_ALIVE_S,
       help="seconds an idle HTTP keep-alive connection stays open")
-    a("--engine-process", action="store_true", default=os.environ.get("PAGEFLEET_ENGINE_PROCESS") == "1",
+    a("--engine-process", action=argparse.BooleanOptionalAction,
+      default=os.environ.get("PAGEFLEET_ENGINE_PROCESS") == "1",
       help="run the engine's step loop in a process of its own, apart from the HTTP server's GIL "
            "(default: $PAGEFLEET_ENGINE_PROCESS=1, else one process)")
     a("--disable-access-log", action="store_true")
