@@ -12,7 +12,8 @@ CUDA graph:
   3. top-p (rows with top_p < 1): the same select over the mass exp(x - max) of the keys at or above top-k's
      threshold, for the largest key whose mass at or above it reaches top_p of the survivors' mass (summed by
      the first pass): every token whose strictly larger survivors hold less than that is kept, ties at the edge
-     too, the top token always;
+     too, the top token always. A chunk's mass histogram is a [16, K] x [K, 16] product of one-hots of the
+     digit's two halves, one weighted by the mass, on the tensor cores;
   4. per chunk, the Gumbel-max draw over its kept tokens (the same counter-based noise, min-p applied), ties to
      the lowest token id; per row, the best of the chunk winners, ties to the lowest chunk.
 Histograms go to buffers, never through float atomics, and are summed in a fixed order: a seeded draw is the
@@ -31,7 +32,7 @@ from .sampling import INT32_MIN, _key, _row_noise_keys, _scaled, _uniform
 BITS = 8  # digit width: a 2**BITS-bin histogram a pass
 DIGITS = 4  # 32-bit keys in 4 passes
 CHUNK = 1024  # logits per program: V = 128,256 is 126 programs a row, about one per SM of an H200 at batch 1
-SUB = 16  # logits per step of a mass histogram: its [SUB, 2**BITS] partial sums live in registers
+SUB = 128  # logits per step of a mass histogram (at most the chunk): the K of its [16, SUB] x [SUB, 16] product
 # sample(split=None) takes this path for batches up to this many rows: one program per row then leaves at least
 # three quarters of an H200's 132 SMs idle, its step as long as one row's several passes over 128k logits, while
 # this path's work grows with the rows (benchmarks/sampling_bench.py --kernel times both at 1 ... 64 rows)
@@ -94,8 +95,12 @@ def _hist_kernel(logits_ptr, stride_row, params_ptr, paramsf_ptr, stride_params,
             floor = tl.full([], INT32_MIN, tl.int32)
             if has_k:
                 floor = tl.load(st_ptr + row * STATE_FIELDS + ST_K_PREFIX) ^ INT32_MIN
-            # per-lane partials, reduced once after the chunk: a reduction per step costs more than its adds
-            acc = tl.zeros([SUB, NB], tl.float32)
+            # digit = 16 * hi + lo: the mass per (hi, lo) is the product of the [16, SUB] mass-weighted one-hots of
+            # hi and the [SUB, 16] one-hots of lo, on the tensor cores (tf32x3: fp32-accurate, the 0/1 factor
+            # exact, a fixed summation order), not 256 compares and adds per logit
+            NH: tl.constexpr = 1 << (BITS // 2)
+            r = tl.arange(0, NH)
+            acc = tl.zeros([NH, NH], tl.float32)
             offs = start + tl.arange(0, CHUNK)
             key = _key(_scaled(base, offs, offs < V, inv_t))
             # later passes match few keys: most chunks, and most steps of the rest, skip; the whole-chunk read
@@ -108,10 +113,12 @@ def _hist_kernel(logits_ptr, stride_row, params_ptr, paramsf_ptr, stride_params,
                     k = _key(x)
                     match = _matches(k, valid, floor, prefix, SHIFT, BITS, FIRST)
                     if tl.max(match.to(tl.int32), axis=0) > 0:
-                        d = tl.where(match, ((_ordered(k) >> SHIFT) & (NB - 1)).to(tl.int32), -1)
-                        e = tl.exp(x - m)
-                        acc += tl.where(d[:, None] == bins[None, :], e[:, None], 0.0)
-            tl.store(out, tl.sum(acc, axis=0))
+                        d = ((_ordered(k) >> SHIFT) & (NB - 1)).to(tl.int32)
+                        e = tl.where(match, tl.exp(x - m), 0.0)
+                        a = tl.where((d >> (BITS // 2))[None, :] == r[:, None], e[None, :], 0.0)
+                        b = ((d & (NH - 1))[:, None] == r[None, :]).to(tl.float32)
+                        acc = tl.dot(a, b, acc, input_precision="tf32x3")
+            tl.store(out, tl.reshape(acc, [NB]))
     else:
         if (inv_t > 0.0) & has_k:
             offs = start + tl.arange(0, CHUNK)
@@ -238,10 +245,10 @@ def _pick_kernel(paramsf_ptr, stride_params, val_ptr, idx_ptr, out_ptr, n_chunks
 
 
 def sample_split(logits: torch.Tensor, params: torch.Tensor, out: torch.Tensor, chunk: int = CHUNK) -> torch.Tensor:
-    """sampling.sample's draw over R * ceil(V / chunk) programs (chunk a power of two, at least SUB): the
+    """sampling.sample's draw over R * ceil(V / chunk) programs (chunk a power of two, at least 16): the
     same arguments, the same tokens (but at a top-p edge within fp32 rounding), in 2 + 4 * DIGITS launches."""
     R, V = logits.shape
-    assert chunk >= SUB and chunk & (chunk - 1) == 0, chunk
+    assert chunk >= 16 and chunk & (chunk - 1) == 0, chunk
     n_chunks = triton.cdiv(V, chunk)
     dev = logits.device
     nb = 1 << BITS
@@ -258,13 +265,14 @@ def sample_split(logits: torch.Tensor, params: torch.Tensor, out: torch.Tensor, 
     rows, grid = (R,), (R, n_chunks)
     # no FMA contraction: x * inv_t and x - max round as in the reference, so thresholds and ties agree
     opts = dict(num_warps=4, enable_fp_fusion=False)
+    sub = min(SUB, chunk)
     for mass in (False, True):
         h = histf if mass else hist
         for p in range(DIGITS):
             shift = BITS * (DIGITS - 1 - p)
             with_max = not mass and p == 0  # the max pass and top-k's first histogram read the chunk once
             _hist_kernel[grid](logits, logits.stride(0), params, paramsf, params.stride(0), V, state, statef, cmax,
-                               h, n_chunks, CHUNK=chunk, SUB=SUB, NB=nb, BITS=BITS, SHIFT=shift, FIRST=p == 0,
+                               h, n_chunks, CHUNK=chunk, SUB=sub, NB=nb, BITS=BITS, SHIFT=shift, FIRST=p == 0,
                                MASS=mass, WITH_MAX=with_max, **opts)
             _select_kernel[rows](params, paramsf, params.stride(0), V, state, statef, cmax, hist, n_chunks, NB=nb,
                                  SHIFT=shift, FIRST=p == 0, MASS=mass, WITH_MAX=with_max, CBLOCK=cblock,
