@@ -118,7 +118,8 @@ def test_startup_error_counts_the_state_slots(qwen3_5):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_graphs_give_the_eager_tokens(qwen3_5):
     """On CUDA the DeltaNet kernels capture (no host syncs): decode, prompt and mixed steps replay graphs, whose
-    padding rows (slot -1) read and write no state, and give the eager path's tokens and logprobs."""
+    padding rows (slot -1) read and write no state, and give the eager path's tokens, with logprobs as near
+    transformers in fp32 as the eager path's."""
     llm = LLM(str(qwen3_5), dtype="bfloat16", max_model_len=256, max_num_batched_tokens=256, max_num_seqs=4,
               gpu_memory_fraction=0.2, enable_prefix_caching=False)
     runner = llm.engine.runner
@@ -137,6 +138,30 @@ def test_cuda_graphs_give_the_eager_tokens(qwen3_5):
     runner.graphs = runner.prompt_graphs = runner.mixed_graphs = None
     eager = run()
     assert graphed[0] == eager[0]
+    # The decode graphs run other kernels than an eager step (the skinny GEMV for a few rows), so bf16 rounds
+    # differently there: on the H200 graphed and eager logprobs differ by up to 0.040 nats (0.0 with the decode
+    # graphs off), and both are as near transformers in fp32 (max 0.238 / 0.239, mean 0.0386 / 0.0389 nats). A
+    # padding row that reads or writes a state, or a logit taken from the wrong row, moves them by nats.
     diffs = [abs(a - b) for g, e in zip(graphed[1], eager[1], strict=True) for a, b in zip(g, e, strict=True)]
-    assert max(diffs) <= 0.01
+    assert max(diffs) <= 0.1
+    ref = fp32_logprobs(qwen3_5, ps, eager[0])
+    errors = [[abs(a - b) for o, r in zip(side[1], ref, strict=True) for a, b in zip(o, r, strict=True)]
+              for side in (graphed, eager)]
+    (graphed_max, graphed_mean), (eager_max, eager_mean) = [(max(e), sum(e) / len(e)) for e in errors]
+    assert graphed_mean <= 1.1 * eager_mean + 0.005, (graphed_mean, eager_mean)
+    assert graphed_max <= 1.25 * eager_max + 0.02, (graphed_max, eager_max)
     assert_all_free(llm.engine)
+
+
+def fp32_logprobs(folder, prompts_, outputs) -> list[list[float]]:
+    """transformers' fp32 logprob of each output token after its prompt and the tokens before it (on CUDA)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).cuda().eval()
+    out = []
+    for prompt, tokens in zip(prompts_, outputs, strict=True):
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + tokens], device="cuda")).logits[0].float()
+        lp = torch.log_softmax(logits, -1)
+        out.append([lp[len(prompt) - 1 + i, t].item() for i, t in enumerate(tokens)])
+    return out
