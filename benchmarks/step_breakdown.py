@@ -1,0 +1,128 @@
+"""Where a serving-shaped workload's time goes, by step kind: one engine, a closed loop of C requests in flight.
+
+Each finished request is replaced at once, as a concurrency-C client does (`vllm bench serve --max-concurrency C`,
+`pagefleet bench serve --concurrency C`), with no HTTP in the way: its tok/s bounds what a server on this engine
+can serve at that concurrency. Every step's forward is timed on the device (CUDA events around
+ModelRunner.execute) and filed by kind: decode, prompt or mixed (prompt chunks beside decodes), replayed from a
+CUDA graph or run eagerly. The sampler runs outside execute, so wall per step minus execute per step is the host's
+share plus sampling.
+
+Usage: python3 benchmarks/step_breakdown.py MODEL [--quantization fp8] [--concurrency 64] [--requests 256]
+         [--input-len 564] [--output-len 128] [--temperature 1.0] [--max-model-len 2048] [--fraction 0.85]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import random
+import time
+
+import torch
+
+from pagefleet.worker import EngineConfig, SamplingParams
+from pagefleet.worker.engine.llm_engine import LLMEngine
+
+
+class _HostEvent:
+    """torch.cuda.Event's two methods on a CPU clock, so the script runs (slowly) without CUDA."""
+
+    def record(self) -> None:
+        self.t = time.perf_counter()
+
+    def elapsed_time(self, end: _HostEvent) -> float:
+        return (end.t - self.t) * 1e3
+
+
+def timed_execute(runner, records: list) -> None:
+    """Wrap runner.execute: (kind, prompt tokens, start event, end event) per step into records."""
+    execute, replay = runner.execute, runner.cuda_graphs.replay
+    cuda = torch.cuda.is_available()
+    graphed = {}
+
+    def replay_noting(step, feed=None):
+        logits = replay(step, feed)
+        graphed["hit"] = logits is not None
+        return logits
+
+    def execute_timed(work, feed=None, lora_mapping=None):
+        graphed.clear()
+        start, end = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if cuda \
+            else (_HostEvent(), _HostEvent())
+        start.record()
+        out = execute(work, feed, lora_mapping)
+        end.record()
+        step = work.step
+        prompt_tokens = 0 if step.is_decode else step.num_tokens - step.num_decodes
+        kind = "decode" if step.is_decode else ("mixed" if step.num_decodes else "prompt")
+        records.append((f"{kind}-{'graph' if graphed.get('hit') else 'eager'}", prompt_tokens, start, end))
+        return out
+
+    runner.cuda_graphs.replay = replay_noting
+    runner.execute = execute_timed
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("model")
+    p.add_argument("--quantization", default=None)
+    p.add_argument("--concurrency", type=int, default=64)
+    p.add_argument("--requests", type=int, default=256)
+    p.add_argument("--input-len", type=int, default=564)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=1.0, help="1.0: the OpenAI and vLLM servers' default")
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--fraction", type=float, default=0.85, help="gpu_memory_fraction, as the serving runs use")
+    p.add_argument("--seed", type=int, default=5)
+    a = p.parse_args()
+
+    engine = LLMEngine(EngineConfig(model=a.model, max_model_len=a.max_model_len, gpu_memory_fraction=a.fraction,
+                                    quantization=a.quantization))
+    engine.emit_partial = False
+    records: list = []
+    timed_execute(engine.runner, records)
+    rng = random.Random(a.seed)
+    top = min(120000, engine.model_config.vocab_size - 1)
+    prompts = [[rng.randint(100, top) for _ in range(a.input_len)] for _ in range(a.requests)]
+
+    def params() -> SamplingParams:
+        return SamplingParams(temperature=a.temperature, max_tokens=a.output_len, ignore_eos=True, detokenize=False)
+
+    engine.add_request("warm-up", prompts[0][:32], SamplingParams(temperature=a.temperature, max_tokens=4,
+                                                                  ignore_eos=True, detokenize=False))
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.block_manager.reset_prefix_cache()
+    records.clear()
+    print(f"closed loop: {a.requests} requests of {a.input_len} / {a.output_len} tokens, {a.concurrency} in flight, "
+          f"temperature {a.temperature}, {a.quantization or 'no quantization'}", flush=True)
+    start = time.perf_counter()
+    sent = generated = steps = 0
+    for _ in range(min(a.concurrency, a.requests)):
+        engine.add_request(f"r{sent}", prompts[sent], params())
+        sent += 1
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                generated += out.num_generated_tokens
+                if sent < a.requests:
+                    engine.add_request(f"r{sent}", prompts[sent], params())
+                    sent += 1
+        steps += 1
+    wall = time.perf_counter() - start
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    kinds = collections.defaultdict(lambda: [0, 0.0, 0])
+    for kind, prompt_tokens, s, e in records:
+        k = kinds[kind]
+        k[0], k[1], k[2] = k[0] + 1, k[1] + s.elapsed_time(e), k[2] + prompt_tokens
+    executed = sum(k[1] for k in kinds.values())
+    print(f"{generated / wall:,.0f} output tok/s; {steps} steps; wall {wall / steps * 1e3:.2f} ms a step, "
+          f"execute {executed / steps:.2f} ms a step")
+    print("| step kind | steps | ms each | seconds | prompt tokens a step |\n|---|---|---|---|---|")
+    for kind, (n, ms, pt) in sorted(kinds.items()):
+        print(f"| {kind} | {n} | {ms / n:.2f} | {ms / 1e3:.2f} | {pt / n:,.0f} |")
+
+
+if __name__ == "__main__":
+    main()
