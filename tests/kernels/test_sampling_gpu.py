@@ -49,7 +49,7 @@ def test_sampling_kernel_matches_reference(dtype, scale):
         x = (torch.randn(n, V, generator=g, device="cuda") * scale).to(dtype)
         rec = records(temps, top_k, top_p, min_p, seed=np.arange(n) * 7919 - 5, position=step).cuda()
         out = torch.full((n,), -1, dtype=torch.int64, device="cuda")
-        got = sampling.sample(x, rec, out.clone())
+        got = sampling.sample(x, rec, out.clone(), split=False)
         want = ref.sample(x, rec, out.clone())
         sampled = torch.tensor([t > 0 for t in temps], device="cuda")
         assert (got[~sampled] == -1).all() and (got[sampled] >= 0).all()  # greedy rows left alone
@@ -62,15 +62,16 @@ def test_sampling_kernel_matches_reference(dtype, scale):
 
 
 def test_sampling_kernel_draws_are_batch_invariant_on_gpu():
-    """A row drawn alone equals the same row drawn among 63 others (same logits, same record)."""
+    """A row drawn alone equals the same row drawn among 63 others (same logits, same record), by either path."""
     from pagefleet.kernels import sampling
 
     g = torch.Generator(device="cuda").manual_seed(1)
     x = torch.randn(64, V, generator=g, device="cuda").to(torch.bfloat16)
     rec = records(0.9, 40, 0.9, 0.02, seed=np.arange(64), position=3).cuda()
-    together = sampling.sample(x, rec)
-    for i in (0, 17, 63):
-        assert sampling.sample(x[i:i + 1], rec[i:i + 1])[0] == together[i]
+    for split in (False, True):
+        together = sampling.sample(x, rec, split=split)
+        for i in (0, 17, 63):
+            assert sampling.sample(x[i:i + 1], rec[i:i + 1], split=split)[0] == together[i]
 
 
 KINDS = [(1.0, 0, 1.0, 0.0), (0.8, 50, 0.95, 0.0), (1.0, 0, 0.9, 0.0), (0.7, 20, 1.0, 0.05), (1.2, 0, 1.0, 0.1),

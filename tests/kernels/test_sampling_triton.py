@@ -21,10 +21,10 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 
 
 def both(x, rec, **blocks):
-    """The kernel (a 32-entry candidate buffer unless told: brackets overflow it and are narrowed by count
-    passes) and the reference on the same rows."""
+    """The per-row kernel (a 32-entry candidate buffer unless told: brackets overflow it and are narrowed by count
+    passes; never the split path these few rows would take by default) and the reference on the same rows."""
     out = torch.full((x.shape[0],), -5, dtype=torch.int64)
-    got = sampling.sample(x, rec, out.clone(), **{"cap": 32, **blocks})
+    got = sampling.sample(x, rec, out.clone(), **{"cap": 32, "split": False, **blocks})
     want = ref.sample(x, rec, out.clone())
     return got, want
 
@@ -70,9 +70,10 @@ def test_triton_sample_many_rows_one_launch():
     x = torch.randn(6, 200, generator=g)
     rec = records([1.0, 0.8, 1.0, 1.1, 0.6, 1.0], [0, 10, 0, 4, 0, 0], [0.9, 1.0, 0.7, 1.0, 1.0, 0.99],
                   seed=[5, 5, 6, 6, 7, 7], position=[0, 1, 0, 1, 0, 1])
-    together = sampling.sample(x, rec, block=64, search_block=64, cap=64)
+    blocks = dict(block=64, search_block=64, cap=64, split=False)
+    together = sampling.sample(x, rec, **blocks)
     for i in range(6):
-        assert sampling.sample(x[i:i + 1], rec[i:i + 1], block=64, search_block=64, cap=64)[0] == together[i]
+        assert sampling.sample(x[i:i + 1], rec[i:i + 1], **blocks)[0] == together[i]
 
 
 def test_triton_sample_every_path_to_a_threshold():
