@@ -213,5 +213,7 @@ class Sampler:
         rows.view(np.float32)[:, ref.INV_TEMPERATURE] = 1.0
         rows.view(np.float32)[:, ref.TOP_P] = 1.0
         (params,) = self._upload(rows)
-        self.kernel.sample(logits[:1], params)
-        self.kernel.sample(logits[:1].float(), params)
+        paths = ({"split": True}, {"split": False}) if self.kernel is not ref else ({},)
+        for path in paths:  # both: the first batch past SPLIT_ROWS must not stall a server on a compile
+            self.kernel.sample(logits[:1], params, **path)
+            self.kernel.sample(logits[:1].float(), params, **path)
