@@ -6,9 +6,10 @@ interpreter) runs AsyncLLMEngine, the same loop with its pause, drain, sleep and
 sends ONE message per step over a socket pair: per request the new tokens, text and logprobs (deltas;
 cumulative outputs would cost pickling time quadratic in the output length), with what the probes read
 (load, stats, weight version, adapters, pause and sleep state) piggybacked, so /load and /metrics cost no
-round trip. The server side rebuilds the cumulative RequestOutputs on a reader thread's schedule, with one
-wake-up per event loop per message. RPCs (weight updates, adapters, pause / resume, sleep / wake_up) travel
-as (call id, method, args) and come back with their result or their exception, ValueError kept as such.
+round trip. On the server a reader thread takes each message off the socket (a blocking read, the GIL
+released) and wakes each event loop once for it; that loop rebuilds its streams' cumulative RequestOutputs.
+RPCs (weight updates, adapters, pause / resume, sleep / wake_up) travel as (call id, method, args) and come
+back with their result or their exception, ValueError kept as such.
 
 The child dies with the server (PR_SET_PDEATHSIG, and its end of the socket closing); a child that dies
 ends every stream with EngineDeadError and turns is_alive() False.
@@ -339,7 +340,9 @@ def _apply_all(puts: list) -> None:
 
 
 class EngineProcess:
-    """AsyncLLMEngine's interface over an engine in a child process (see the module docstring)."""
+    """AsyncLLMEngine's interface over an engine in a child process (see the module docstring). Build it on a
+    thread that lives as long as the engine (the main thread): the kernel ends the child with the thread that
+    started it (PR_SET_PDEATHSIG)."""
 
     def __init__(self, config: EngineConfig):
         ours, theirs = socket.socketpair()
