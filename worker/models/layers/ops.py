@@ -95,7 +95,8 @@ class Fp8Rows(NamedTuple):
 
 def linear(x, weight, bias=None, out=None, weight_scale=None):
     """weight_scale [N] fp32: weight is e4m3 (layers/fp8.py). A decode graph's few rows then read it through our
-    GEMV unquantised (weight-only FP8, half the bytes of bf16); other calls quantise x per token for
+    GEMV unquantised (weight-only FP8, half the bytes of bf16), and past SKINNY_MAX_ROWS_FP8 rows up to
+    FP8_DOT_MAX_ROWS kernels/fp8_skinny.py's tensor-core GEMM; other calls quantise x per token for
     torch._scaled_mm (kernels/fp8.py), unless x is Fp8Rows, quantised already."""
     if isinstance(x, Fp8Rows):
         y = (_triton["fp8"] if _triton else ref).fp8_gemm(x.q, x.scale, weight, weight_scale, bias, out_dtype=x.dtype)
