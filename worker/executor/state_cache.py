@@ -15,6 +15,7 @@ import torch
 
 GiB = 1 << 30
 STATE_SHARE = 0.5  # of the memory left after the weights, at most this share goes to state slots on a GPU
+COPY_CHUNK_BYTES = 256 << 20  # a slot copy's gathered sources at most this big at once (_copy)
 
 
 def is_stateful(model) -> bool:
@@ -79,7 +80,16 @@ class StateCache:
             self._copy(snapshots)
 
     def _copy(self, pairs: list[tuple[int, int]]) -> None:
-        src = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=self.device)
-        dst = torch.tensor([d for _, d in pairs], dtype=torch.long, device=self.device)
-        self.conv[:, dst] = self.conv[:, src]
-        self.ssm[:, dst] = self.ssm[:, src]
+        """Gathered COPY_CHUNK_BYTES of sources at a time: the GRPO fork of 64 prompts x n = 16 at Qwen3.6-27B's
+        shape asked for one 23.2 GiB gather of ~160 slots and ran out of memory on the H200 (hybrid_bench run
+        --grpo-prompts 64). Chunks read what the step before wrote, so a slot that is both read and written in
+        one call (no caller does this) gets the single gather that reads every source first."""
+        srcs, dsts = [s for s, _ in pairs], [d for _, d in pairs]
+        per = max(1, COPY_CHUNK_BYTES // max(self.ssm[:, 0].nbytes, self.conv[:, 0].nbytes, 1))
+        if not set(srcs).isdisjoint(dsts):
+            per = len(pairs)
+        for i in range(0, len(pairs), per):
+            src = torch.tensor(srcs[i:i + per], dtype=torch.long, device=self.device)
+            dst = torch.tensor(dsts[i:i + per], dtype=torch.long, device=self.device)
+            self.conv[:, dst] = self.conv[:, src]
+            self.ssm[:, dst] = self.ssm[:, src]
