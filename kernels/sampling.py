@@ -1,19 +1,19 @@
 """Sampled token choice without sorting the vocabulary: temperature, top-k, top-p, min-p and a seeded draw per row.
 
-One program per row, a few passes over its row; batches of at most sampling_split.SPLIT_ROWS rows, where one program
-per row would leave most SMs idle, take sampling_split.py's path instead (each row split across programs, the same
-tokens). Per row, the first pass finds the row's max and, per lane of a block, the lane's max: the k-th largest of
-those lane maxima is a lower bound on the k-th largest value (k lanes hold a value at least that large), usually
-within a few tokens of it. Every token at or above such a bound is then gathered into a per-row buffer of CAP (key,
-token) pairs, and the thresholds come from sorting that buffer, not the row. Where the bound is too loose (top-p
-alone, or a large k), count passes narrow a bracket [lo, hi) of the values in their ordered-integer form: each pass
-counts, and sums the probability mass, at or above 16 pivots, 12 spaced in value (geometrically from the max while
-the bracket is open below, linearly inside it) and 4 in keys (progress whatever the values), until the bracket holds
-at most CAP tokens, which are gathered and sorted; a bracket that cannot shrink is one value (ties), and is the
-threshold. Top-p after top-k works on top-k's buffer when it holds every survivor. When the buffer holds every kept
-token the draw reads only the buffer, else one more pass over the row. The draw is the exponential race argmax p_i /
-E_i written as Gumbel-max (argmax x_i - log E_i), its uniform variates a counter-based hash of (seed, output
-position, token id): a row's draw depends on nothing else in the batch, and reference.sample draws the same.
+One program per row, a few passes over its row; small batches whose top-p searches the whole row can take
+sampling_split.py's path instead (each row split across programs, the same tokens; who picks it and when it pays:
+sampling_split.SPLIT_ROWS). Per row, the first pass finds the row's max and, per lane of a block, the lane's max:
+the k-th largest of those lane maxima is a lower bound on the k-th largest value (k lanes hold a value at least that
+large), usually within a few tokens of it. Every token at or above such a bound is then gathered into a per-row
+buffer of CAP (key, token) pairs, and the thresholds come from sorting that buffer, not the row. Where the bound is
+too loose (top-p alone, or a large k), count passes narrow a bracket [lo, hi) of the values in their ordered-integer
+form: each pass counts, and sums the probability mass, at or above 16 pivots, 12 spaced in value (geometrically from
+the max while the bracket is open below, linearly inside it) and 4 in keys (progress whatever the values), until the
+bracket holds at most CAP tokens, which are gathered and sorted; a bracket that cannot shrink is one value (ties),
+and is the threshold. Top-p after top-k works on top-k's buffer when it holds every survivor. When the buffer holds
+every kept token the draw reads only the buffer, else one more pass over the row. The draw is the exponential race
+argmax p_i / E_i written as Gumbel-max (argmax x_i - log E_i), its uniform variates a counter-based hash of (seed,
+output position, token id): a row's draw depends on nothing else in the batch, and reference.sample draws the same.
 
 Semantics (reference.sample is the definition): x = logits * inv_temperature (fp32); top-k keeps x >= the
 k-th largest x (all ties at the threshold stay); top-p keeps, among those, every token whose strictly larger

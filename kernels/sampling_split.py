@@ -33,10 +33,12 @@ BITS = 8  # digit width: a 2**BITS-bin histogram a pass
 DIGITS = 4  # 32-bit keys in 4 passes
 CHUNK = 1024  # logits per program: V = 128,256 is 126 programs a row, about one per SM of an H200 at batch 1
 SUB = 128  # logits per step of a mass histogram (at most the chunk): the K of its [16, SUB] x [SUB, 16] product
-# sample(split=None) takes this path for batches up to this many rows: one program per row then leaves at least
-# three quarters of an H200's 132 SMs idle, its step as long as one row's several passes over 128k logits, while
-# this path's work grows with the rows (benchmarks/sampling_bench.py --kernel times both at 1 ... 64 rows)
-SPLIT_ROWS = 32
+# sample(split=None) takes this path for batches up to this many rows. Launched outside a CUDA graph it pays 18
+# launches (~480 us however small the batch), so it wins only where one program per row runs long: top-p alone
+# over 128k logits, 1,287 against 489 us at one row, 1,297 against 692 at 16, losing at 64 (H200,
+# benchmarks/sampling_bench.py --kernel). The engine's sampler picks per batch from the rows' settings
+# (worker/executor/sampler.py split_pays); this is the default for callers that do not.
+SPLIT_ROWS = 16
 # State per row, int32 (fp32 fields as bit patterns): the max, top-k's prefix (ordered uint32 bits) and count
 # of keys above it, top-p's prefix and mass above it, top-p's target mass.
 ST_MAX, ST_K_PREFIX, ST_K_ABOVE, ST_P_PREFIX, ST_P_ABOVE, ST_TARGET = (tl.constexpr(i) for i in range(6))

@@ -89,7 +89,7 @@ class Spy:
 
         class Kernel:
             @staticmethod
-            def sample(x, params, out=None):
+            def sample(x, params, out=None, split=None):  # the reference has one path: split draws the same
                 self.seen.append(x.clone())
                 return draw(x, params, out)
 
@@ -177,3 +177,29 @@ def test_a_seeded_row_draws_the_same_whatever_runs_beside_it():
         logits = torch.cat([torch.randn(k, 64, generator=g), row])
         tokens, _ = make_sampler().sample(logits, batch)
         assert tokens[-1] == alone[0]
+
+
+def test_split_sampling_path_only_for_small_batches_with_a_whole_row_top_p():
+    """The split kernel pays only for top-p searching the whole vocabulary in a small batch (sampler.py's
+    figures); every other setting, and any batch past SPLIT_MAX_ROWS, stays on one program per row."""
+    import numpy as np
+
+    from pagefleet.kernels import reference as ref
+    from pagefleet.worker.executor import sampler
+    from pagefleet.worker.executor import sampling_state as st
+
+    def rows(*settings):
+        r = np.zeros((len(settings), st.ROW), dtype=np.int32)
+        for i, (temp, top_k, top_p) in enumerate(settings):
+            r.view(np.float32)[i, ref.INV_TEMPERATURE] = 0.0 if temp == 0 else 1.0 / temp
+            r[i, ref.TOP_K] = top_k
+            r.view(np.float32)[i, ref.TOP_P] = top_p
+        return r, r[:, ref.INV_TEMPERATURE] == 0
+
+    assert sampler.split_pays(*rows((1.0, 0, 0.95)))
+    assert sampler.split_pays(*rows((1.0, 0, 1.0), (0.0, 0, 1.0), (0.8, 0, 0.9)))  # one wide row is enough
+    assert sampler.split_pays(*rows((1.0, 1000, 0.95)))  # a top-k past the small buffer still searches wide
+    assert not sampler.split_pays(*rows((1.0, 0, 1.0)))  # temperature alone
+    assert not sampler.split_pays(*rows((0.8, 50, 0.95)))  # top-p inside top-k's buffer
+    assert not sampler.split_pays(*rows((0.0, 0, 0.95)))  # a greedy row's top-p is never used
+    assert not sampler.split_pays(*rows(*[(1.0, 0, 0.95)] * (sampler.SPLIT_MAX_ROWS + 1)))

@@ -47,6 +47,25 @@ def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch
     logits.index_copy_(0, rows, x)
 
 
+
+# The split sampling path (kernels/sampling_split.py) against one program per row, launched as this sampler
+# launches them, bf16 logits of 128,256 (H200, benchmarks/sampling_bench.py --kernel): top-p 0.95 alone at 1, 4,
+# 16 rows 489 / 487 / 692 us against 1,287 / 1,285 / 1,297, at 64 rows 1,664 against 1,310; every other setting
+# (temperature 1, top-k 50, top-k then top-p, min-p) 476-625 us against 124-146. So the split path is for small
+# batches with a row whose top-p searches the whole vocabulary (no top-k of at most SMALL_TOP_K before it).
+SPLIT_MAX_ROWS = 16
+SMALL_TOP_K = 256  # the per-row kernel's small buffer (kernels/sampling.py SMALL): top-p works inside it
+
+
+def split_pays(rows: np.ndarray, greedy: np.ndarray) -> bool:
+    """rows: the sampler's records [R, ROW]; greedy: the rows left to argmax."""
+    if len(rows) > SPLIT_MAX_ROWS:
+        return False
+    top_p = rows.view(np.float32)[:, ref.TOP_P]
+    top_k = rows[:, ref.TOP_K]
+    wide = (top_p < 1.0) & ~((top_k > 0) & (top_k <= SMALL_TOP_K)) & ~greedy
+    return bool(wide.any())
+
 @dataclass
 class Sampled:
     """One step's choice on the device: tokens int64 [R]; for the logprobs rows `lp_rows`, chosen [L] and top
@@ -133,7 +152,8 @@ class Sampler:
             self._process(x, params, processed_d.long())
         tokens = ops.argmax(x) if greedy.any() else None  # exact in the model's dtype
         if not greedy.all():
-            tokens = self.kernel.sample(x, params, tokens)
+            split = {"split": split_pays(rows, greedy)} if self.kernel is not ref else {}
+            tokens = self.kernel.sample(x, params, tokens, **split)
         if len(processed):
             self._count(params, processed_d.long(), tokens)
         return self._with_logprobs(Sampled(tokens, lp_rows, lp_counts), raw, lp_rows_d)
@@ -214,6 +234,6 @@ class Sampler:
         rows.view(np.float32)[:, ref.TOP_P] = 1.0
         (params,) = self._upload(rows)
         paths = ({"split": True}, {"split": False}) if self.kernel is not ref else ({},)
-        for path in paths:  # both: the first batch past SPLIT_ROWS must not stall a server on a compile
+        for path in paths:  # both: the first batch of the other path must not stall a server on a compile
             self.kernel.sample(logits[:1], params, **path)
             self.kernel.sample(logits[:1].float(), params, **path)
