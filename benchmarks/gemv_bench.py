@@ -4,12 +4,6 @@
   TRITON_INTERPRET=1 python3 benchmarks/gemv_bench.py OUT_DIR --dry-run   # CPU: tiny shapes, exercises the code
   python3 benchmarks/gemv_bench.py OUT_DIR --fp8      # weight-only FP8 (e4m3 + per-row scales) against
                                                       # cuBLAS bf16 and torch._scaled_mm (activations quantised)
-  python3 benchmarks/gemv_bench.py OUT_DIR --fp8 --fp8-dot-configs   # + fp8_skinny's candidate configs
-
---fp8 defaults to the four decoder shapes at M = 32, 48, 64, 96, 128 with only the GEMV's default config, and
-adds kernels/fp8_skinny.py's tensor-core GEMM (its default config) as a column: the rows past 32 it is for
-(ops.FP8_DOT_MAX_ROWS). gate_up is timed unfused (N = 28672) in every column. --fp8-dot-configs also times
-FP8_DOT_CANDIDATES at each shape and M and prints their table last, so one GPU call picks fp8_dot's config.
 
 For Llama-3.1-8B's five linear shapes and each M: torch.nn.functional.linear (cuBLAS), skinny_matmul's
 default config, and the best of a sweep around that default. Every op is first checked against an fp32
@@ -36,7 +30,6 @@ import torch.nn.functional as F
 
 import pagefleet.kernels.arrivals as arrivals
 import pagefleet.kernels.fp8 as F8
-import pagefleet.kernels.fp8_skinny as FS
 import pagefleet.kernels.gemv as G
 import pagefleet.kernels.reference as R
 
@@ -47,35 +40,19 @@ LAYERS = 32
 SWEEP = {"block_n": (16, 32, 64), "block_k": (128, 256, 512, 1024), "num_warps": (2, 4, 8), "num_stages": (2, 3, 4, 5),
          "split_k": (1, 2, 4)}  # no block_n 8: the kernel's tl.dot needs 16 rows
 KEYS = list(SWEEP)
-FP8_SHAPES = ("qkv", "o_proj", "gate_up", "down")  # lm_head stays bf16 under --quantization fp8
-# fp8_dot (block_n, block_k, num_warps, num_stages, split_k); None: fp8_skinny.default_config's choice for
-# that block_n / block_k. The first is the default.
-FP8_DOT_CANDIDATES = [(None, None, None, None, None), (64, 128, 4, None, 1), (128, 128, 8, 3, None),
-                      (128, 64, 4, 4, None), (64, 256, 4, 2, None), (64, 64, 4, 5, None)]
-FP8_DOT_KEYS = ("block_n", "block_k", "num_warps", "num_stages", "split_k")
 
 
 def parse_args():
     p = argparse.ArgumentParser()
     p.add_argument("out_dir", nargs="?", default=os.environ.get("OUT", "."), help="gets gemv.json and gemv.md")
     p.add_argument("--dry-run", action="store_true", help="CPU under TRITON_INTERPRET=1, tiny shapes")
-    p.add_argument("--ms", default=None, help="batch sizes M (default 1,2,4,8,16; --fp8: 32,48,64,96,128)")
-    p.add_argument("--max-configs", type=int, default=None,
-                   help="GEMV sweep size per (shape, M), default included (default 40; --fp8: 1)")
+    p.add_argument("--ms", default="1,2,4,8,16", help="batch sizes M")
+    p.add_argument("--max-configs", type=int, default=40, help="sweep size per (shape, M), default included")
     p.add_argument("--weights", type=int, default=32, help="distinct weights per graph (ops per graph)")
     p.add_argument("--reps", type=int, default=20, help="graph replays timed (median)")
     p.add_argument("--fp8", action="store_true", help="e4m3 weights with per-row scales (worker/models/layers/fp8.py)")
-    p.add_argument("--fp8-dot-configs", action="store_true", help="--fp8, and time fp8_skinny's FP8_DOT_CANDIDATES")
     p.add_argument("--shapes", default=None, help="comma-separated subset of " + ",".join(SHAPES))
-    args = p.parse_args()
-    args.fp8 = args.fp8 or args.fp8_dot_configs
-    if args.ms is None:
-        args.ms = "32,48,64,96,128" if args.fp8 else "1,2,4,8,16"
-    if args.max_configs is None:
-        args.max_configs = 1 if args.fp8 else 40
-    if args.shapes is None and args.fp8:
-        args.shapes = ",".join(FP8_SHAPES)
-    return args
+    return p.parse_args()
 
 
 # ---------------------------------------------------------------- measuring
@@ -173,10 +150,7 @@ def sweep_configs(M, N, K, default, num_sms, limit, weight_bytes=2):
 
 
 def config_name(c):
-    """A config's short name; an fp8_dot candidate's None (its default_config's choice) prints as '-'."""
-    if all(v is None for v in c):
-        return "default"
-    return "n{} k{} w{} s{} sk{}".format(*("-" if v is None else v for v in c))
+    return "n{} k{} w{} s{} sk{}".format(*c)
 
 
 # ---------------------------------------------------------------- one shape
@@ -216,9 +190,6 @@ def bench_shape(name, N, K, Ms, args, dtype, device, num_sms, failures):
         scaled_mm_us = None
         if args.fp8:
             scaled_mm_us = time_per_op(lambda w, x=x: F8.fp8_linear(x, w, scales[id(w)]), quantized, args.reps)
-        fp8_dot = {}
-        if args.fp8:
-            fp8_dot = bench_fp8_dot(name, M, x, quantized, scales, expected, tol, args, failures)
         default = G.default_config(M, N, K, num_sms, ours_weights[0].element_size())
         timed = []
         for c in sweep_configs(M, N, K, default, num_sms, args.max_configs, ours_weights[0].element_size()):
@@ -247,49 +218,17 @@ def bench_shape(name, N, K, Ms, args, dtype, device, num_sms, failures):
                "default_us": ours and ours["us"], "default_TBps": ours and ours["TBps"],
                "default_rel_err": ours and ours["rel_err"],
                "best_config": best and best["config"], "best_us": best and best["us"],
-               "best_TBps": best and best["TBps"], "sweep": sorted(timed, key=lambda t: t["us"]), **fp8_dot}
+               "best_TBps": best and best["TBps"], "sweep": sorted(timed, key=lambda t: t["us"])}
         rows.append(row)
         top = ", ".join(f"{config_name(tuple(t['config'].values()))} {t['us']:.1f}" for t in row["sweep"][:3])
         print(f"{name:8s} M={M:2d}  cuBLAS {cublas_us:8.1f} us {row['cublas_TBps']:5.2f} TB/s | _scaled_mm "
               f"{fmt(scaled_mm_us)} us | default "
               f"{fmt(row['default_us'])} us {fmt(row['default_TBps'], 2)} TB/s | best {fmt(row['best_us'])} us "
-              f"{fmt(row['best_TBps'], 2)} TB/s ({len(timed)} timed; top: {top})"
-              + (f" | fp8_dot {fmt(row.get('fp8_dot_us'))} us" if args.fp8 else ""), flush=True)
+              f"{fmt(row['best_TBps'], 2)} TB/s ({len(timed)} timed; top: {top})", flush=True)
     del weights, ours_weights
     if device == "cuda":
         torch.cuda.empty_cache()
     return rows
-
-
-def bench_fp8_dot(name, M, x, quantized, scales, expected, tol, args, failures):
-    """fp8_skinny.fp8_dot at one shape and M: its default config checked and timed, and with
-    --fp8-dot-configs every FP8_DOT_CANDIDATES entry -> the row's fp8_dot_* fields."""
-    if M > FS.MAX_ROWS:
-        return {}
-    candidates = FP8_DOT_CANDIDATES if args.fp8_dot_configs else FP8_DOT_CANDIDATES[:1]
-    weight_bytes = quantized[0].numel()
-    sweep = {}
-    for c in candidates:
-        kw = {k: v for k, v in zip(FP8_DOT_KEYS, c, strict=True) if v is not None}
-
-        def op(w, kw=kw):
-            return FS.fp8_dot(x, w, scales[id(w)], **kw)
-
-        try:
-            err = rel_err(op(quantized[0]), expected)
-            if err > tol:
-                failures.append(f"{name} M={M} fp8_dot {config_name(c)}: rel err {err:.2e}")
-                print(f"  FAIL {name} M={M} fp8_dot {config_name(c)}: rel err {err:.2e}", flush=True)
-                continue
-            sweep[config_name(c)] = time_per_op(op, quantized, args.reps)
-        except Exception as e:  # a config that does not compile (shared memory, registers) is skipped
-            print(f"  skip fp8_dot {config_name(c)}: {type(e).__name__}: {str(e).splitlines()[0][:120]}", flush=True)
-    default = sweep.get(config_name(candidates[0]))
-    if default is None:
-        failures.append(f"{name} M={M}: fp8_dot's default config failed")
-    n, k, w, st, sk = FS.default_config(M, quantized[0].shape[0], quantized[0].shape[1], FS.sm_count(x.device))
-    return {"fp8_dot_us": default, "fp8_dot_TBps": default and weight_bytes / default / 1e6,
-            "fp8_dot_default": config_name((n, k, w, st, sk)), "fp8_dot_sweep": sweep}
 
 
 def fmt(v, digits=1):
@@ -315,41 +254,6 @@ def decode_step(rows):
     return totals
 
 
-def fp8_markdown(rows, copy_tbps):
-    """--fp8: the compact table (GEMV, quantise + _scaled_mm, fp8_dot), per-M layer-stack totals, and with
-    --fp8-dot-configs the candidates' table; the last lines printed, for reading the tail of a run."""
-    lines = [f"FP8 weights (e4m3 + per-row scales); us per op, TB/s over the e4m3 bytes; copy {copy_tbps:.2f} TB/s.",
-             "", "| shape | M | GEMV us | TB/s | quant+_scaled_mm us | TB/s | fp8_dot us | TB/s | bf16 cuBLAS us |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for r in rows:
-        fp8_bytes = r["N"] * r["K"] / 1e6
-        lines.append(f"| {r['shape']} | {r['M']} | {fmt(r['default_us'])} | {fmt(r['default_TBps'], 2)} | "
-                     f"{fmt(r['scaled_mm_us'])} | {fmt(r['scaled_mm_us'] and fp8_bytes / r['scaled_mm_us'], 2)} | "
-                     f"{fmt(r.get('fp8_dot_us'))} | {fmt(r.get('fp8_dot_TBps'), 2)} | {r['cublas_us']:.1f} |")
-    Ms = sorted({r["M"] for r in rows})
-    totals = []
-    for M in Ms:
-        at = [r for r in rows if r["M"] == M]
-        if {r["shape"] for r in at} == set(FP8_SHAPES):
-            sums = [None if any(r.get(key) is None for r in at) else LAYERS * sum(r[key] for r in at)
-                    for key in ("default_us", "scaled_mm_us", "fp8_dot_us")]
-            totals.append(f"M={M}: GEMV {fmt(sums[0])}, quant+_scaled_mm {fmt(sums[1])}, fp8_dot {fmt(sums[2])}")
-    if totals:
-        lines += ["", f"{LAYERS} layers x (qkv, o_proj, gate_up unfused, down), us:"] + totals
-    names = [config_name(c) for c in FP8_DOT_CANDIDATES]
-    if any(len(r.get("fp8_dot_sweep") or {}) > 1 for r in rows):
-        lines += ["", "fp8_dot candidates, us (first: the default; default's choice per row in the last column):",
-                  "| shape | M | " + " | ".join(names) + " | default is |", "|" + " --- |" * (len(names) + 3)]
-        for r in rows:
-            sw = r.get("fp8_dot_sweep") or {}
-            lines.append(f"| {r['shape']} | {r['M']} | " + " | ".join(fmt(sw.get(n)) for n in names)
-                         + f" | {r.get('fp8_dot_default', '-')} |")
-        for n in names:
-            if all(n in (r.get("fp8_dot_sweep") or {}) for r in rows):
-                lines.append(f"sum over rows, {n}: {sum(r['fp8_dot_sweep'][n] for r in rows):.1f} us")
-    return "\n".join(lines) + "\n"
-
-
 def markdown(rows, copy_tbps, step):
     lines = [f"Device copy bandwidth (read + write): {copy_tbps:.2f} TB/s. Time per op; TB/s = weight bytes / time.",
              "",
@@ -370,8 +274,7 @@ def markdown(rows, copy_tbps, step):
 def write_results(out_dir, rows, copy_tbps, num_sms, failures, seconds, device_name):
     """gemv.md and gemv.json; rewritten after every shape, so a run cut short keeps what it measured."""
     step = decode_step(rows)
-    table = fp8_markdown(rows, copy_tbps) if rows and "scaled_mm_us" in rows[0] and rows[0]["scaled_mm_us"] \
-        is not None else markdown(rows, copy_tbps, step)
+    table = markdown(rows, copy_tbps, step)
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "gemv.md"), "w") as f:
         f.write(table)

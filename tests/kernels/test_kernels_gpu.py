@@ -243,65 +243,6 @@ def test_skinny_matmul_fp8_weight(shape, M):
         close(got, ref.skinny_matmul(normed, dequant, gated=gated), BF)
 
 
-@pytest.mark.parametrize("shape", ["qkv", "o_proj", "gate_up", "down"])
-@pytest.mark.parametrize("M", [33, 64, 128])  # FP8 decode graphs past the GEMV's 32 rows (ops.FP8_DOT_MAX_ROWS)
-def test_fp8_dot(shape, M):
-    """kernels/fp8_skinny.py at Llama-3.1-8B's decoder shapes: bf16 x, e4m3 weights with per-row scales, its
-    default config (split K where it chooses) and unsplit, against the fp32 product over the dequantised
-    weight; gated for gate_up. Split and unsplit differ only in summation order."""
-    from test_fp8_skinny import w8a16_reference
-
-    from pagefleet.kernels import arrivals, fp8_skinny
-
-    N, K = LLAMA_8B_LINEARS[shape]
-    arrivals.reserve("cuda")
-    x = torch.randn(M, K, device="cuda", dtype=BF)
-    w8, scale = ref.quantize_weight_fp8((torch.randn(N, K, device="cuda") / K**0.5).to(BF))
-    bias = torch.randn(N, device="cuda", dtype=BF)
-    out = torch.full((M, N), float("nan"), device="cuda", dtype=BF)
-    fp8_skinny.fp8_dot(x, w8, scale, bias, out=out)
-    close(out, w8a16_reference(x.float(), w8, scale, bias.float()), BF)
-    close(fp8_skinny.fp8_dot(x, w8, scale, split_k=1), w8a16_reference(x.float(), w8, scale), BF)
-    if shape == "gate_up":
-        close(fp8_skinny.fp8_dot(x, w8, scale, gated=True), w8a16_reference(x.float(), w8, scale, gated=True), BF)
-    assert not arrivals.counters(torch.device("cuda"), 0).any()
-
-
-def test_fp8_dot_in_a_graph():
-    """One FP8 decoder layer's four GEMMs at 64 rows, with their default configs (split K for qkv, o_proj and
-    down), captured in one CUDA graph and replayed over new inputs: each replay's merges find the counters
-    the previous one left at 0, and the results are bitwise those of eager launches."""
-    from test_fp8_skinny import w8a16_reference
-
-    from pagefleet.kernels import arrivals, fp8_skinny
-
-    M = 64
-    ws = {name: ref.quantize_weight_fp8((torch.randn(N, K, device="cuda") / K**0.5).to(BF))
-          for name, (N, K) in LLAMA_8B_LINEARS.items() if name != "lm_head"}
-    assert any(fp8_skinny.default_config(M, *LLAMA_8B_LINEARS[n], 132)[-1] > 1 for n in ws)
-    xs = {name: torch.empty(M, LLAMA_8B_LINEARS[name][1], device="cuda", dtype=BF) for name in ws}
-    arrivals.reserve("cuda")
-
-    def layer():
-        return [fp8_skinny.fp8_dot(xs[name], *ws[name], gated=name == "gate_up") for name in ws]
-
-    layer()  # compiles outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = layer()
-    for _ in range(3):
-        for t in xs.values():
-            t.copy_(torch.randn_like(t))
-        for o in outs:
-            o.fill_(float("nan"))
-        graph.replay()
-        eager = layer()
-        for name, got, again in zip(ws, outs, eager, strict=True):
-            assert torch.equal(got, again), name
-            close(got, w8a16_reference(xs[name].float(), *ws[name], gated=name == "gate_up"), BF)
-    assert not arrivals.counters(torch.device("cuda"), 0).any()
-
-
 @pytest.mark.parametrize("fp8", [False, True])
 def test_split_gemvs_in_a_graph(fp8):
     """The default configs split K for down (bf16) and for qkv, o_proj and down (FP8): those GEMVs, as the

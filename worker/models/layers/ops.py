@@ -26,8 +26,8 @@ def use_triton(enabled: bool) -> None:
         _triton = None
         return
     # imported here, not at the top: the Triton modules import triton, which CPU-only processes skip
-    names = ("activation", "arrivals", "attention", "causal_conv1d", "fp8", "fp8_skinny", "gdn_chunk", "gdn_norm",
-             "gdn_recurrent", "gemv", "greedy", "kv_cache", "norm", "prefill_attention", "rope")
+    names = ("activation", "arrivals", "attention", "causal_conv1d", "fp8", "gdn_chunk", "gdn_norm", "gdn_recurrent",
+             "gemv", "greedy", "kv_cache", "norm", "prefill_attention", "rope")
     _triton = {name: importlib.import_module(f"pagefleet.kernels.{name}") for name in names}
 
 
@@ -44,10 +44,6 @@ SKINNY_MAX_ROWS = 16
 # against 42.0; batch-32 decode step 5.60 -> 4.77 ms), at 64 it loses on three of four (H200,
 # benchmarks/gemv_bench.py; docs/benchmarks-kernels.md)
 SKINNY_MAX_ROWS_FP8 = 32
-# e4m3 weights, SKINNY_MAX_ROWS_FP8 < rows <= this in a decode graph: kernels/fp8_skinny.py's tensor-core
-# GEMM on the unquantised rows (weight-only FP8) in place of quantise + _scaled_mm. 0: off until it is timed
-# against them on the H200 (benchmarks/gemv_bench.py --fp8); at most fp8_skinny.MAX_ROWS (128). Tests may patch it.
-FP8_DOT_MAX_ROWS = 0
 
 
 def skinny_rows(x, fp8: bool = False) -> bool:
@@ -71,18 +67,6 @@ def _skinny(x, weight, weight_scale=None) -> bool:
             and (weight.dtype == x.dtype or weight_scale is not None))
 
 
-def fp8_dot_rows(x) -> bool:
-    """True where the e4m3 linears of x's rows go to kernels/fp8_skinny.py: a graph capture of
-    SKINNY_MAX_ROWS_FP8 < rows <= FP8_DOT_MAX_ROWS half-precision rows. Those linears read bf16 rows, so the
-    norms and the activation below hand them bf16 rows, not Fp8Rows."""
-    return bool(_triton and SKINNY_MAX_ROWS_FP8 < x.shape[0] <= FP8_DOT_MAX_ROWS and is_graphed()
-                and x.dtype in (torch.bfloat16, torch.float16))
-
-
-def _fp8_dot(x, weight, weight_scale) -> bool:
-    return weight_scale is not None and weight.dtype == torch.float8_e4m3fn and fp8_dot_rows(x)
-
-
 class Fp8Rows(NamedTuple):
     """Token rows the kernel before an FP8 GEMM already quantised per token (e4m3 q [T, K], fp32 scale [T, 1]):
     what a norm or the activation hands the next e4m3 linear in place of bf16 rows. dtype: the rows' own
@@ -95,16 +79,13 @@ class Fp8Rows(NamedTuple):
 
 def linear(x, weight, bias=None, out=None, weight_scale=None):
     """weight_scale [N] fp32: weight is e4m3 (layers/fp8.py). A decode graph's few rows then read it through our
-    GEMV unquantised (weight-only FP8, half the bytes of bf16), and past SKINNY_MAX_ROWS_FP8 rows up to
-    FP8_DOT_MAX_ROWS kernels/fp8_skinny.py's tensor-core GEMM; other calls quantise x per token for
+    GEMV unquantised (weight-only FP8, half the bytes of bf16); other calls quantise x per token for
     torch._scaled_mm (kernels/fp8.py), unless x is Fp8Rows, quantised already."""
     if isinstance(x, Fp8Rows):
         y = (_triton["fp8"] if _triton else ref).fp8_gemm(x.q, x.scale, weight, weight_scale, bias, out_dtype=x.dtype)
         return y if out is None else out.copy_(y)
     if _skinny(x, weight, weight_scale):
         return _triton["gemv"].skinny_matmul(x, weight, bias, out=out, weight_scale=weight_scale)
-    if _fp8_dot(x, weight, weight_scale):
-        return _triton["fp8_skinny"].fp8_dot(x, weight, weight_scale, bias, out=out)
     if weight_scale is not None:
         y = (_triton["fp8"] if _triton else ref).fp8_linear(x, weight, weight_scale, bias)
         return y if out is None else out.copy_(y)
@@ -122,8 +103,6 @@ def linear_silu_and_mul(x, weight, bias=None, sumsq=None, eps=0.0, weight_scale=
                                      weight_scale=weight_scale)
     if _skinny(x, weight, weight_scale):
         return _triton["gemv"].skinny_matmul(x, weight, bias, gated=True, weight_scale=weight_scale)
-    if _fp8_dot(x, weight, weight_scale):
-        return _triton["fp8_skinny"].fp8_dot(x, weight, weight_scale, bias, gated=True)
     return silu_and_mul(linear(x, weight, bias, weight_scale=weight_scale))
 
 
@@ -169,24 +148,17 @@ def silu_and_mul(x):
 
 
 # The same three, quantised per token for the FP8 GEMM after them: one kernel instead of two, and no bf16
-# round trip of the rows through memory. Rows that fp8_skinny's GEMM takes (fp8_dot_rows) stay bf16: it reads
-# them unquantised, and Fp8Rows would send the linear after them to _scaled_mm instead.
-def rms_norm_fp8(x, weight, eps) -> Fp8Rows | torch.Tensor:
-    if fp8_dot_rows(x):
-        return rms_norm(x, weight, eps)
+# round trip of the rows through memory.
+def rms_norm_fp8(x, weight, eps) -> Fp8Rows:
     return Fp8Rows(*(_triton["norm"] if _triton else ref).rms_norm_fp8(x, weight, eps), x.dtype)
 
 
-def fused_add_rms_norm_fp8(x, residual, weight, eps) -> tuple[Fp8Rows | torch.Tensor, torch.Tensor]:
-    if fp8_dot_rows(x):
-        return fused_add_rms_norm(x, residual, weight, eps)
+def fused_add_rms_norm_fp8(x, residual, weight, eps) -> tuple[Fp8Rows, torch.Tensor]:
     q, scale, new_residual = (_triton["norm"] if _triton else ref).fused_add_rms_norm_fp8(x, residual, weight, eps)
     return Fp8Rows(q, scale, x.dtype), new_residual
 
 
-def silu_and_mul_fp8(x) -> Fp8Rows | torch.Tensor:
-    if fp8_dot_rows(x):
-        return silu_and_mul(x)
+def silu_and_mul_fp8(x) -> Fp8Rows:
     return Fp8Rows(*(_triton["activation"] if _triton else ref).silu_and_mul_fp8(x), x.dtype)
 
 
