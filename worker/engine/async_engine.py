@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import queue
 import threading
@@ -30,6 +31,29 @@ _LATER = object()  # a loop-thread call whose future the loop resolves later (a 
 def _put_all(puts: list) -> None:
     for q, item in puts:
         q.put_nowait(item)
+
+
+async def stream_outputs(q: asyncio.Queue, on_leave) -> AsyncIterator[RequestOutput]:
+    """One request's outputs from its queue, up to its final one; an exception put there is raised, _ABORTED (an
+    abort from outside) just ends the stream. A consumer that leaves first (client disconnect) calls on_leave,
+    which frees the request's blocks now. Closed with contextlib.aclosing, so that happens when it leaves."""
+    finished = False
+    try:
+        while True:
+            item = await q.get()
+            if item is _ABORTED:
+                finished = True
+                return
+            if isinstance(item, BaseException):
+                finished = True
+                raise item
+            finished = item.finished
+            yield item
+            if finished:
+                return
+    finally:
+        if not finished:
+            on_leave()
 
 
 class EngineDeadError(RuntimeError):
@@ -181,23 +205,9 @@ class AsyncLLMEngine:
         self._adds_sent += 1
         self._inbox.put(("add", request_id, list(prompt_token_ids), params, lora_name))
         self._wake.set()
-        finished = False
-        try:
-            while True:
-                item = await q.get()
-                if item is _ABORTED:  # aborted by someone else: the stream just ends
-                    finished = True
-                    return
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                finished = item.finished
+        async with contextlib.aclosing(stream_outputs(q, lambda: self.abort(request_id))) as items:
+            async for item in items:
                 yield item
-                if finished:
-                    return
-        finally:
-            if not finished:  # the consumer went away (client disconnect): free its blocks now
-                self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
         stream = self._streams.pop(request_id, None)

@@ -21,6 +21,7 @@ import asyncio
 import builtins
 import collections
 import concurrent.futures
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -38,7 +39,7 @@ from multiprocessing.connection import Connection
 from pagefleet.worker.core.config import EngineConfig
 from pagefleet.worker.core.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from pagefleet.worker.core.sampling_params import SamplingParams
-from pagefleet.worker.engine.async_engine import _ABORTED, AsyncLLMEngine, EngineDeadError
+from pagefleet.worker.engine.async_engine import _ABORTED, AsyncLLMEngine, EngineDeadError, stream_outputs
 from pagefleet.worker.engine.stats import EngineStats, StepRecord
 
 log = logging.getLogger("pagefleet.engine")
@@ -221,18 +222,6 @@ class _ChildEngine(AsyncLLMEngine):
             self._flush((call_id, True, result))
 
 
-def _die_with_parent() -> None:
-    """Linux: the kernel kills this process when the server exits, wherever it is blocked."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-        import signal
-
-        try:
-            ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        except OSError:
-            pass
-
-
 def _ignore_stop_signals() -> None:
     """SIGTERM and SIGINT sent to the whole process group (systemd, a terminal's Ctrl-C) are the server's to act
     on: it drains, then stops this process. No-op handlers, not SIG_IGN, so the tensor-parallel ranks this
@@ -245,7 +234,9 @@ def _ignore_stop_signals() -> None:
 
 def child_main() -> None:
     """The engine process: its end of the socket pair in argv, the engine's config first on it."""
-    _die_with_parent()
+    from pagefleet.worker.executor.tensor_parallel import die_with_parent  # this side imports torch anyway
+
+    die_with_parent()
     _ignore_stop_signals()
     conn = Connection(int(sys.argv[1]))
     config = _recv(conn)
@@ -480,24 +471,14 @@ class EngineProcess:
             self._streams.pop(request_id, None)
             raise EngineDeadError(str(self._error))
         self._adds_sent += 1
-        finished = False
         try:
             self._post(("add", request_id, prompt, params, lora_name))
-            while True:
-                item = await stream.queue.get()
-                if item is _ABORTED:
-                    finished = True
-                    return
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                finished = item.finished
+        except BaseException:
+            self.abort(request_id)
+            raise
+        async with contextlib.aclosing(stream_outputs(stream.queue, lambda: self.abort(request_id))) as items:
+            async for item in items:
                 yield item
-                if finished:
-                    return
-        finally:
-            if not finished:  # the consumer went away (client disconnect): free its blocks now
-                self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
         stream = self._streams.pop(request_id, None)

@@ -101,8 +101,9 @@ def _rank_config(config: EngineConfig, device: torch.device) -> EngineConfig:
     return replace(config, device=str(device), cpu_threads=threads, compile_workers=0)
 
 
-def _die_with_parent() -> None:
-    """Linux: the kernel kills this worker when its rank 0 exits, wherever the worker is blocked."""
+def die_with_parent() -> None:
+    """Linux: the kernel kills this process when the one that started it exits (a worker rank's rank 0, the
+    engine process's server), wherever this one is blocked."""
     if sys.platform.startswith("linux"):
         import ctypes
         import signal
@@ -122,7 +123,7 @@ def main() -> None:
 def worker_main(conn, rank: int, config: EngineConfig, model_config: ModelConfig, model_path, max_model_len: int,
                 port: int) -> None:
     """A worker rank: bring up its shard, then run what rank 0 sends until told to stop (or rank 0 is gone)."""
-    _die_with_parent()
+    die_with_parent()
     try:
         device = rank_device(config, rank)
         if device.type == "cuda":
