@@ -285,7 +285,8 @@ def check(tiny: bool = False, out_dir: str | None = None, compile_workers: int |
         steps = llm.engine.stats().recent_steps
         result["engine"] = {"dtype": dtype, "steps": len(steps),
                             "mixed_steps": sum(bool(s.num_prefill_tokens and s.num_decode_tokens) for s in steps),
-                            "max_prefill_tokens": max(s.num_prefill_tokens for s in steps)}
+                            "max_prefill_tokens": max(s.num_prefill_tokens for s in steps),
+                            "ssm_state_dtype": str(llm.engine.runner.state.ssm.dtype)}
         del llm
         gc.collect()
         if cuda:
@@ -337,12 +338,13 @@ def engine_picks(llm, init_s: float) -> dict:
     picks["weight_bytes"] = sum(p.numel() * p.element_size() for p in r.model.parameters())
     if r.state is not None:
         picks.update(state_slots=r.state.num_slots, snapshot_slots=r.state.num_snapshots,
-                     state_gib=round(r.state.nbytes / 2**30, 2))
+                     state_gib=round(r.state.nbytes / 2**30, 2),
+                     ssm_state_dtype=str(r.state.ssm.dtype).removeprefix("torch."))
     return picks
 
 
 def run(folder: str, out_dir: str, tiny: bool = False, grpo_prompts: int = 16, only: list[str] | None = None,
-        compile_workers: int | None = COMPILE_WORKERS) -> dict:
+        compile_workers: int | None = COMPILE_WORKERS, ssm_dtype: str = "auto") -> dict:
     from pagefleet.worker import LLM, SamplingParams
     from pagefleet.worker.executor.startup.gc_freeze import frozen_heap
 
@@ -357,7 +359,7 @@ def run(folder: str, out_dir: str, tiny: bool = False, grpo_prompts: int = 16, o
 
     cuda = torch.cuda.is_available()
     kw = dict(dtype="bfloat16", gpu_memory_fraction=0.85) if cuda else dict(kv_cache_memory_bytes=64 << 20)
-    kw["compile_workers"] = compile_workers
+    kw.update(compile_workers=compile_workers, mamba_ssm_cache_dtype=ssm_dtype)
     log(f"engine on {folder}: max_model_len {w.max_model_len}, asking 1024 sequences and 16,384 batched tokens "
         f"(the anchor's), {kw}")
     start = time.perf_counter()
@@ -447,7 +449,8 @@ def table(results: dict) -> None:
                  f"profiling and warm-up 103, graphs 11)")
     lines.append(f"engine: max_num_seqs {e['max_num_seqs']}, batched tokens {e['max_num_batched_tokens']}, "
                  f"state slots {e.get('state_slots')} + {e.get('snapshot_slots')} snapshots "
-                 f"({e.get('state_gib')} GiB), KV {e['kv_tokens']:,} tokens")
+                 f"({e.get('state_gib')} GiB, recurrent state {e.get('ssm_state_dtype')}), "
+                 f"KV {e['kv_tokens']:,} tokens")
     print("\n".join(lines), flush=True)
 
 
@@ -464,6 +467,9 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("out")
     r.add_argument("--grpo-prompts", type=int, default=16, help="GRPO prompts of n=16 samples (the issue's: 64)")
     r.add_argument("--only", nargs="+", choices=["batch1", "mixed256", "mixed256_t1", "grpo"], default=None)
+    r.add_argument("--mamba-ssm-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="the recurrent state's storage (auto: the checkpoint's mamba_ssm_dtype, else bf16; vLLM's "
+                        "rule, so both engines store the same)")
     for s in (m, c, r):
         s.add_argument("--tiny", action="store_true", help="a tiny Qwen3.5 config and workloads (smoke test)")
     for s in (c, r):
@@ -476,7 +482,8 @@ def main(argv: list[str] | None = None) -> int:
     elif args.cmd == "check":
         return 0 if check(args.tiny, args.out, workers)["passed"] else 1
     else:
-        return run(args.dir, args.out, args.tiny, args.grpo_prompts, args.only, workers)["errors"] and 1 or 0
+        return run(args.dir, args.out, args.tiny, args.grpo_prompts, args.only, workers,
+                   args.mamba_ssm_cache_dtype)["errors"] and 1 or 0
     return 0
 
 

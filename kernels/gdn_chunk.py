@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .gdn_recurrent import check_state
 from .gdn_reference import gdn_gating, l2norm
 
 CHUNK = 64
@@ -113,7 +114,7 @@ def _chunk_state_kernel(q_ptr, k_ptr, G_ptr, w_ptr, u_ptr, aq_ptr, state_ptr, cu
     kmask = kr < DK
     r = tl.arange(0, BT)
     s_ptrs = state_ptr + slot * stride_s0 + h * stride_s1 + kr[:, None] * DV + vc[None, :]
-    S = tl.load(s_ptrs, mask=kmask[:, None] & vmask[None, :], other=0.0)
+    S = tl.load(s_ptrs, mask=kmask[:, None] & vmask[None, :], other=0.0).to(tl.float32)
     for c0 in range(t0, t1, BT):
         rows = c0 + r
         rmask = rows < t1
@@ -133,22 +134,21 @@ def _chunk_state_kernel(q_ptr, k_ptr, G_ptr, w_ptr, u_ptr, aq_ptr, state_ptr, cu
         k = tl.load(k_ptr + qk_off, mask=mk, other=0.0)
         kd = k * tl.exp(G_last - G)[:, None]
         S = S * tl.exp(G_last) + tl.dot(tl.trans(kd), v_new, input_precision=PREC)
-    tl.store(s_ptrs, S, mask=kmask[:, None] & vmask[None, :])
+    tl.store(s_ptrs, S.to(state_ptr.dtype.element_ty), mask=kmask[:, None] & vmask[None, :])
 
 
 def chunk_gated_delta_rule(q, k, v, a, b, A_log, dt_bias, ssm_state, state_slots, cu_seqlens, eps=1e-6,
                            precision=None):
     """q, k [T, Hk, Dk], v [T, Hv, Dv] straight from the conv, a, b [T, Hv] (in-projection views), ssm_state
-    [slots, Hv, Dk, Dv] fp32, state_slots [num_seqs] (-1: padding), cu_seqlens [num_seqs + 1] -> o [T, Hv, Dv] in
-    v.dtype (zero on padding rows); each sequence starts from and leaves its state in its slot.
+    [slots, Hv, Dk, Dv] (fp32, bf16 or fp16: the state loop runs in fp32 either way), state_slots [num_seqs]
+    (-1: padding), cu_seqlens [num_seqs + 1] -> o [T, Hv, Dv] in v.dtype (zero on padding rows); each sequence
+    starts from and leaves its state in its slot.
 
     precision: tl.dot's input precision; default "ieee" for fp32 models (the fp32 tests), "tf32" for half
     precision ones, whose inputs carry fewer bits than tf32 keeps."""
     T, Hk, Dk = q.shape
     Hv, Dv = v.shape[1], v.shape[2]
-    if ssm_state.dtype != torch.float32 or ssm_state.shape[1:] != (Hv, Dk, Dv) or ssm_state.stride(2) != Dv \
-            or ssm_state.stride(3) != 1:
-        raise ValueError(f"ssm_state must be fp32 [slots, {Hv}, {Dk}, {Dv}] with contiguous [Dk, Dv] tiles")
+    check_state(ssm_state, Hv, Dk, Dv)
     if Dk < 16 or Dv < 16:
         raise ValueError(f"the chunked rule's tiles need head dims of at least 16, got {Dk}, {Dv}")
     if v.stride(2) != 1:

@@ -2,15 +2,24 @@
 
 One launch does what ops.recurrent_gated_delta_rule does with the references: the gating (g = -exp(A_log) *
 softplus(a + dt_bias), beta = sigmoid(b)), the q/k L2 norm (q scaled by Dk^-0.5), then per value head
-S = S * exp(g); S += k (beta (v - S^T k))^T; o = S^T q, in fp32 (ssm_state [slots, Hv, Dk, Dv] fp32, as the state
-cache holds it). A slot of -1 is a padding row: zero output, nothing read or written. No host syncs, fixed
-launch shape for a given batch: a decode step captures in a CUDA graph.
+S = S * exp(g); S += k (beta (v - S^T k))^T; o = S^T q, in fp32. ssm_state [slots, Hv, Dk, Dv] is in the state
+cache's dtype: fp32, or bf16 / fp16 read up to fp32 and rounded once on the way back. A slot of -1 is a padding
+row: zero output, nothing read or written. No host syncs, fixed launch shape for a given batch: a decode step
+captures in a CUDA graph.
 """
 import torch
 import triton
 import triton.language as tl
 
+STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # the recurrent state's storage; the maths is fp32
 BLOCK_V = 32  # value columns a program: [128, 32] fp32 state tiles, 96 registers and no spills at Dk 128 (sm_90)
+
+
+def check_state(ssm_state, Hv, Dk, Dv) -> None:
+    if ssm_state.dtype not in STATE_DTYPES or ssm_state.shape[1:] != (Hv, Dk, Dv) or ssm_state.stride(2) != Dv \
+            or ssm_state.stride(3) != 1:
+        raise ValueError(f"ssm_state must be fp32, bf16 or fp16 [slots, {Hv}, {Dk}, {Dv}] with contiguous [Dk, Dv] "
+                         f"tiles, got {ssm_state.dtype} {tuple(ssm_state.shape)}")
 
 
 @triton.jit
@@ -48,21 +57,20 @@ def _recurrent_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr,
     beta = tl.sigmoid(bb)
     s_ptrs = state_ptr + slot * stride_s0 + h * stride_s1 + kr[:, None] * DV + vcols[None, :]
     smask = kmask[:, None] & vmask[None, :]
-    S = tl.load(s_ptrs, mask=smask, other=0.0) * tl.exp(g)
+    S = tl.load(s_ptrs, mask=smask, other=0.0).to(tl.float32) * tl.exp(g)
     delta = (v - tl.sum(S * k[:, None], 0)) * beta
     S = S + k[:, None] * delta[None, :]
-    tl.store(s_ptrs, S, mask=smask)
+    tl.store(s_ptrs, S.to(state_ptr.dtype.element_ty), mask=smask)
     tl.store(o_row, tl.sum(S * q[:, None], 0).to(o_ptr.dtype.element_ty), mask=vmask)
 
 
 def recurrent_gated_delta_rule(q, k, v, a, b, A_log, dt_bias, ssm_state, state_slots, eps=1e-6):
     """q, k [B, Hk, Dk], v [B, Hv, Dv] (strided views of the conv output), a, b [B, Hv] (views of the in-projection),
-    ssm_state [slots, Hv, Dk, Dv] fp32 -> o [B, Hv, Dv] in v.dtype; each row's slot state advanced in place."""
+    ssm_state [slots, Hv, Dk, Dv] (STATE_DTYPES) -> o [B, Hv, Dv] in v.dtype; each row's slot state advanced in
+    place."""
     B, Hk, Dk = q.shape
     Hv, Dv = v.shape[1], v.shape[2]
-    if ssm_state.dtype != torch.float32 or ssm_state.shape[1:] != (Hv, Dk, Dv) or ssm_state.stride(2) != Dv \
-            or ssm_state.stride(3) != 1:
-        raise ValueError(f"ssm_state must be fp32 [slots, {Hv}, {Dk}, {Dv}] with contiguous [Dk, Dv] tiles")
+    check_state(ssm_state, Hv, Dk, Dv)
     if q.stride(2) != 1 or k.stride(2) != 1 or v.stride(2) != 1 or a.stride(1) != 1 or b.stride(1) != 1:
         raise ValueError("recurrent_gated_delta_rule wants unit-stride head dims")
     o = torch.empty(B, Hv, Dv, dtype=v.dtype, device=v.device)

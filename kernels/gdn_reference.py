@@ -4,7 +4,7 @@ Numerically they follow transformers' Qwen3.5 layer (fp32 state and maths, one r
 over packed variable-length batches whose sequences each own a state slot. Layouts (the contract with the model):
   x, y            [T, C] packed tokens, conv channels C = 2 * Hk * Dk + Hv * Dv (q, k, v before the conv)
   conv_state      [slots, C, K - 1]: each slot's last K - 1 conv inputs, oldest first (model dtype)
-  ssm_state       [slots, Hv, Dk, Dv] fp32: each slot's recurrent state
+  ssm_state       [slots, Hv, Dk, Dv]: each slot's recurrent state (fp32; bf16 / fp16 storage is read up to fp32)
   cu_seqlens      int32 [num_seqs + 1]: start of each sequence's tokens in the packed rows
   state_slots     int32 [num_seqs]: each sequence's slot; -1 is a padding row (no read, no write, zero output)
 A sequence always continues from its slot's state (the engine zeroes a fresh slot), so one prompt may arrive in
@@ -113,7 +113,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, ssm_state, state_slots, cu_seqlens,
             continue
         out, S = chunk_gated_delta_rule_one(qn[a:b], kn[a:b], v[a:b], g[a:b], beta[a:b], ssm_state[slot], chunk_size)
         o[a:b] = out.to(v.dtype)
-        ssm_state[slot] = S
+        ssm_state[slot] = S.to(ssm_state.dtype)
     return o
 
 
@@ -131,7 +131,7 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, ssm_state, state_slots):
     delta = (v[keep].float() - kv) * beta[keep][..., None]
     S = S + kn[..., None] * delta[..., None, :]
     o[keep] = (S * qn[..., None]).sum(-2).to(v.dtype)
-    ssm_state[slots] = S
+    ssm_state[slots] = S.to(ssm_state.dtype)
     return o
 
 

@@ -114,6 +114,39 @@ def test_startup_error_counts_the_state_slots(qwen3_5):
         LLMEngine(EngineConfig(model=str(qwen3_5), max_model_len=200, kv_cache_memory_bytes=2 << 20, device="cpu"))
 
 
+def test_recurrent_state_dtype_follows_the_flag_then_the_checkpoint(qwen3_5, tmp_path):
+    """--mamba-ssm-cache-dtype: the flag wins, then the checkpoint's mamba_ssm_dtype, then the model dtype (vLLM's
+    rule). A bf16 state is half the fp32 one and serves logprobs near the fp32 state's; a bad value is refused."""
+    ps = prompts()[:4]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)
+
+    def run(path, **kw):
+        llm = LLM(str(path), device="cpu", max_model_len=200, num_gpu_blocks_override=60, **kw)
+        outs = [o.outputs[0] for o in llm.generate(ps, params)]
+        return llm.engine.runner.state, [[e.logprob for e in o.logprobs] for o in outs], [o.token_ids for o in outs]
+
+    fp32_state, fp32_lp, fp32_tokens = run(qwen3_5)
+    assert fp32_state.ssm.dtype == torch.float32  # an fp32 model, no mamba_ssm_dtype in its config
+    bf16_state, bf16_lp, _ = run(qwen3_5, mamba_ssm_cache_dtype="bfloat16")
+    assert bf16_state.ssm.dtype == torch.bfloat16 and 2 * bf16_state.ssm.nbytes == fp32_state.ssm.nbytes
+    # the first token's logprob comes from the prompt's state as written by the prefill, the rest from decodes
+    # over a state rounded to bf16 at every step: near, never equal
+    diffs = [abs(a - b) for row_a, row_b in zip(fp32_lp, bf16_lp) for a, b in zip(row_a, row_b)]
+    assert max(diffs) < 0.05 and sum(diffs) > 0, max(diffs)
+
+    import json
+    import shutil
+    asked = tmp_path / "asks-bf16"
+    shutil.copytree(qwen3_5, asked)
+    config = json.loads((asked / "config.json").read_text())
+    (asked / "config.json").write_text(json.dumps({**config, "mamba_ssm_dtype": "bfloat16"}))
+    assert run(asked)[0].ssm.dtype == torch.bfloat16
+    overridden, _, tokens = run(asked, mamba_ssm_cache_dtype="float32")
+    assert overridden.ssm.dtype == torch.float32 and tokens == fp32_tokens
+    with pytest.raises(ValueError, match="mamba_ssm_cache_dtype must be one of"):
+        LLM(str(qwen3_5), device="cpu", mamba_ssm_cache_dtype="fp8")
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_graphs_give_the_eager_tokens(qwen3_5):

@@ -1,6 +1,7 @@
 """StateCache slot copies: chunked gathers give what one gather gives, and a slot both read and written in one call
 still reads its old state."""
 
+import pytest
 import torch
 
 from pagefleet.worker.executor import state_cache
@@ -51,3 +52,26 @@ def test_a_slot_read_and_written_in_one_call_reads_its_old_state(monkeypatch):
     want = one_gather(cache, pairs)
     cache.after_forward(pairs)
     assert torch.equal(cache.conv, want[0]) and torch.equal(cache.ssm, want[1])
+
+
+def test_ssm_state_dtype_rule_and_flag():
+    """vLLM's rule for the recurrent state's storage: the flag, then the checkpoint's mamba_ssm_dtype, then the
+    model dtype; `pagefleet serve --mamba-ssm-cache-dtype` reaches the engine config; bad values are refused."""
+    import argparse
+
+    from pagefleet.worker.entrypoints.engine_args import add_engine_arguments, engine_config_from_args
+    from pagefleet.worker.executor.bringup import ssm_state_dtype
+
+    assert ssm_state_dtype("auto", None, torch.bfloat16)[0] == torch.bfloat16
+    assert ssm_state_dtype("auto", "float32", torch.bfloat16)[0] == torch.float32
+    assert ssm_state_dtype("auto", "torch.float32", torch.bfloat16)[0] == torch.float32
+    assert ssm_state_dtype("bfloat16", "float32", torch.float32) == (torch.bfloat16, "--mamba-ssm-cache-dtype")
+    with pytest.raises(ValueError, match="mamba_ssm_dtype 'int8'"):
+        ssm_state_dtype("auto", "int8", torch.bfloat16)
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    assert engine_config_from_args(parser.parse_args([])).mamba_ssm_cache_dtype == "auto"
+    args = parser.parse_args(["--mamba-ssm-cache-dtype", "bfloat16"])
+    assert engine_config_from_args(args).mamba_ssm_cache_dtype == "bfloat16"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--mamba-ssm-cache-dtype", "int4"])

@@ -101,6 +101,30 @@ def test_prefill_at_27b_shape(dtype, lens):
     assert not o[-7:].any()
 
 
+def test_bf16_state_storage_at_27b_shape():
+    """--mamba-ssm-cache-dtype bfloat16 (auto on a bf16 checkpoint without mamba_ssm_dtype): a 300-token chunk,
+    then three decode steps, over a bf16 state against the reference over the same storage."""
+    from pagefleet.kernels import gdn_chunk, gdn_recurrent
+
+    dtype = torch.bfloat16
+    mixed, a, b, _, A_log, dt_bias, _, ssm_state = layer_inputs(300, dtype)
+    ssm_state = ssm_state.to(dtype)
+    ssm_ref = ssm_state.clone()
+    slots = random_slots(4, pad_rows=(3,))
+    lens = [100, 150, 40, 10]
+    o = gdn_chunk.chunk_gated_delta_rule(*split_qkv(mixed), a, b, A_log, dt_bias, ssm_state, slots, cu(lens))
+    g, beta = ref.gdn_gating(A_log, a, dt_bias, b)
+    o_ref = ref.chunk_gated_delta_rule(*split_qkv(mixed), g, beta, ssm_ref, slots, cu(lens))
+    assert rel_err(o, o_ref) < TOL[dtype]
+    for _ in range(3):
+        mixed, a, b, *_ = layer_inputs(4, dtype)
+        o = gdn_recurrent.recurrent_gated_delta_rule(*split_qkv(mixed), a, b, A_log, dt_bias, ssm_state, slots)
+        g, beta = ref.gdn_gating(A_log, a, dt_bias, b)
+        o_ref = ref.recurrent_gated_delta_rule(*split_qkv(mixed), g, beta, ssm_ref, slots)
+        assert rel_err(o, o_ref) < TOL[dtype]
+    assert ssm_state.dtype == dtype and rel_err(ssm_state, ssm_ref) < STATE_TOL[dtype]
+
+
 def test_decode_kernels_replay_from_a_graph():
     """Captured once, replayed over new inputs and slot orders: the same outputs and states as eager launches."""
     from pagefleet.kernels import causal_conv1d, gdn_recurrent

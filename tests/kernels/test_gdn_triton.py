@@ -123,6 +123,39 @@ def test_chunk_rule_varlen(dtype):
     assert torch.equal(state[[1, 2, 4]], expected_state[[1, 2, 4]])  # padding, empty and free slots untouched
 
 
+@pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_state_storage(state_dtype):
+    """--mamba-ssm-cache-dtype bfloat16 / float16: both kernels read the stored state up to fp32, run the rule in
+    fp32 and round the new state once on the way back, as the reference does with the same storage. Three steps
+    (a 70-token chunk, then two decodes) so a rounding bug compounds."""
+    gen = torch.Generator().manual_seed(6)
+    q, k, v, a, b, A_log, dt_bias, state = rule_inputs(72, torch.float32, gen)
+    state = state.to(state_dtype)
+    slots = torch.tensor([4], dtype=torch.int32)
+    expected_state = state.clone()
+    g, beta = ref.gdn_gating(A_log, a, dt_bias, b)
+    o = TK["gdn_chunk"].chunk_gated_delta_rule(q[:70], k[:70], v[:70], a[:70], b[:70], A_log, dt_bias, state,
+                                               slots, cu([70]))
+    expected = ref.chunk_gated_delta_rule(q[:70], k[:70], v[:70], g[:70], beta[:70], expected_state, slots, cu([70]))
+    close(o, expected, torch.float16)
+    for i in (70, 71):
+        o = TK["gdn_recurrent"].recurrent_gated_delta_rule(q[i:i + 1], k[i:i + 1], v[i:i + 1], a[i:i + 1],
+                                                           b[i:i + 1], A_log, dt_bias, state, slots)
+        expected = ref.recurrent_gated_delta_rule(q[i:i + 1], k[i:i + 1], v[i:i + 1], g[i:i + 1], beta[i:i + 1],
+                                                  expected_state, slots)
+        close(o, expected, state_dtype)
+    assert state.dtype == state_dtype
+    close(state.float(), expected_state.float(), state_dtype)
+    assert torch.equal(state[[0, 1, 2, 3, 5]], expected_state[[0, 1, 2, 3, 5]])  # other slots untouched
+
+
+def test_state_dtype_is_checked():
+    q, k, v, a, b, A_log, dt_bias, state = rule_inputs(2, torch.float32, torch.Generator().manual_seed(7))
+    with pytest.raises(ValueError, match="fp32, bf16 or fp16"):
+        TK["gdn_recurrent"].recurrent_gated_delta_rule(q, k, v, a, b, A_log, dt_bias, state.double(),
+                                                       torch.tensor([0, 1], dtype=torch.int32))
+
+
 def test_chunk_then_recurrent_equals_recurrent_only():
     """The chunked form and the recurrent step are one rule: a 9-token prompt through the chunk kernel, then a
     decode, leaves the state and output of ten recurrent steps."""

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+MAMBA_SSM_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
 
 def batch_defaults(hopper: bool, serving: bool) -> tuple[int, int]:
     """(max_num_seqs, max_num_batched_tokens) as vLLM picks them (EngineArgs.get_batch_defaults): on a
@@ -29,6 +31,9 @@ class EngineConfig:
     kv_cache_memory_bytes: int | None = None  # explicit KV budget; the default on CPU is 1 GiB
     num_gpu_blocks_override: int | None = None  # force the number of KV blocks (tests, benchmarks)
     quantization: str | None = None  # None or "fp8" (Hopper)
+    # storage of a hybrid model's recurrent (Gated DeltaNet) state, vLLM's --mamba-ssm-cache-dtype: auto is the
+    # checkpoint's mamba_ssm_dtype where its config names one, else the model dtype; the maths is fp32 either way
+    mamba_ssm_cache_dtype: str = "auto"
     seed: int = 0
     async_scheduling: bool = True  # overlap decode steps: launch step N+1 before reading step N's tokens
     enable_lora: bool = False  # keep slots for LoRA adapters, loaded and unloaded while serving
@@ -71,6 +76,8 @@ class EngineConfig:
         need(self.num_gpu_blocks_override is None or self.num_gpu_blocks_override > 0,
              "num_gpu_blocks_override must be > 0")
         need(self.quantization in (None, "fp8"), f"quantization must be fp8 or unset, got {self.quantization!r}")
+        need(self.mamba_ssm_cache_dtype in MAMBA_SSM_DTYPES,
+             f"mamba_ssm_cache_dtype must be one of {', '.join(MAMBA_SSM_DTYPES)}, got {self.mamba_ssm_cache_dtype!r}")
         need(self.max_loras > 0 and self.max_lora_rank > 0, "max_loras and max_lora_rank must be > 0")
         need(self.compile_workers is None or self.compile_workers >= 0,
              f"compile_workers must be >= 0, got {self.compile_workers}")

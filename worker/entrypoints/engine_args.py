@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from pagefleet.worker.core.config import EngineConfig
+from pagefleet.worker.core.config import MAMBA_SSM_DTYPES, EngineConfig
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -27,6 +27,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         help="explicit KV budget (CPU default 1 GiB)")
     parser.add_argument("--num-gpu-blocks-override", type=int, default=None)
     parser.add_argument("--quantization", default=None, choices=[None, "fp8"])
+    parser.add_argument("--mamba-ssm-cache-dtype", default=d.mamba_ssm_cache_dtype, choices=list(MAMBA_SSM_DTYPES),
+                        help="a hybrid model's recurrent state in the cache (auto: the checkpoint's mamba_ssm_dtype, "
+                             "else the model dtype; bfloat16 halves it against float32)")
     parser.add_argument("--seed", type=int, default=d.seed)
     parser.add_argument("--cpu-threads", type=int, default=None)
     parser.add_argument("--enable-lora", action="store_true", help="keep slots for LoRA adapters (PEFT folders)")
@@ -53,6 +56,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         enable_prefix_caching=args.enable_prefix_caching, enforce_eager=args.enforce_eager,
         gpu_memory_fraction=args.gpu_memory_fraction, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         num_gpu_blocks_override=args.num_gpu_blocks_override, quantization=args.quantization, seed=args.seed,
+        mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
         cpu_threads=args.cpu_threads, async_scheduling=args.async_scheduling,
         enable_lora=args.enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
         compile_workers=args.compile_workers, enable_sleep_mode=args.enable_sleep_mode,

@@ -2,9 +2,9 @@
 step's slot copies, zeroes and snapshots (core/state_slots.py decides them).
 
 Slots [0, num_slots) belong to running sequences, the ones after them to the prefix cache's snapshots. The
-recurrent state is kept in fp32 (the model's state_shapes say so); a slot is a few KB on the tiny test models and
-~150 MB at Qwen3.6-27B's shape (48 DeltaNet layers of 48 x 128 x 128 fp32), which is why the slot count is
-sized against the memory budget and not only by max_num_seqs.
+recurrent state is kept in the dtype bringup.ssm_state_dtype resolves (--mamba-ssm-cache-dtype); a slot is a few
+KB on the tiny test models and ~150 MB at Qwen3.6-27B's shape in fp32 (48 DeltaNet layers of 48 x 128 x 128),
+75 MB in bf16, which is why the slot count is sized against the memory budget and not only by max_num_seqs.
 """
 
 from __future__ import annotations

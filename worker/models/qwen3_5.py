@@ -130,11 +130,11 @@ class Qwen3_5ForCausalLM(nn.Module):
     def deltanet_layers(self) -> list[GatedDeltaNet]:
         return [layer.linear_attn for layer in self.model.layers if hasattr(layer, "linear_attn")]
 
-    def state_shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    def state_shapes(self, ssm_dtype: torch.dtype = torch.float32) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """Per-slot shapes stacked over the DeltaNet layers: "conv" [L_lin, conv_dim, K - 1] in the model dtype,
-        "ssm" [L_lin, Hv, Dk, Dv] fp32."""
+        "ssm" [L_lin, Hv, Dk, Dv] in ssm_dtype (the engine's mamba_ssm_cache_dtype, resolved)."""
         layers = self.deltanet_layers()
-        (conv, conv_dtype), (ssm, ssm_dtype) = layers[0].state_shapes(self.model.embed_tokens.weight.dtype)
+        (conv, conv_dtype), (ssm, _) = layers[0].state_shapes(self.model.embed_tokens.weight.dtype)
         return {"conv": ((len(layers), *conv), conv_dtype), "ssm": ((len(layers), *ssm), ssm_dtype)}
 
     def bind_state_cache(self, conv: torch.Tensor, ssm: torch.Tensor) -> None:

@@ -46,6 +46,7 @@ class ModelConfig:
     linear_conv_kernel_dim: int = 0
     partial_rotary_factor: float = 1.0  # RoPE rotates the first head_dim * factor dims of each head
     attn_output_gate: bool = False  # q_proj also gives a sigmoid gate on the attention output
+    mamba_ssm_dtype: str | None = None  # the recurrent state's dtype the checkpoint asks for (Qwen3.5's configs)
 
     def twin(self, num_layers: int = 2) -> ModelConfig:
         """The same model cut to `num_layers` layers, for the compile workers' twin. A hybrid keeps one layer
@@ -63,7 +64,8 @@ class ModelConfig:
         arch = next(a for a in raw["architectures"] if a in _REGISTRY)
         outer = raw
         if isinstance(raw.get("text_config"), dict):  # a multimodal checkpoint: the text model's own config
-            raw = {"dtype": outer.get("dtype") or outer.get("torch_dtype"), **raw["text_config"],
+            raw = {"dtype": outer.get("dtype") or outer.get("torch_dtype"),
+                   **{k: outer[k] for k in ("mamba_ssm_dtype",) if k in outer}, **raw["text_config"],
                    **{k: outer[k] for k in ("tie_word_embeddings",) if k in outer}}
         heads = raw["num_attention_heads"]
         # transformers 5 writes rope_parameters (theta inside); older checkpoints rope_theta + rope_scaling.
@@ -125,6 +127,7 @@ def _hybrid_fields(arch: str, raw: dict, partial_rotary: float) -> dict:
         linear_conv_kernel_dim=raw.get("linear_conv_kernel_dim", 4),
         partial_rotary_factor=partial_rotary,
         attn_output_gate=bool(raw.get("attn_output_gate", True)),  # Qwen3.5's attention always has the gate
+        mamba_ssm_dtype=raw.get("mamba_ssm_dtype"),
     )
 
 

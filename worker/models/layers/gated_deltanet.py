@@ -48,7 +48,8 @@ class GatedDeltaNet(nn.Module):
 
     def state_shapes(self, dtype: torch.dtype) -> tuple[tuple[tuple[int, ...], torch.dtype], ...]:
         """Per-slot (conv state, recurrent state) shapes and dtypes: the conv keeps its last K - 1 inputs in
-        the model dtype, the rule its [Hv, Dk, Dv] state in fp32."""
+        the model dtype, the rule its [Hv, Dk, Dv] state in fp32 here (the engine's cache may store it in bf16:
+        model.state_shapes(ssm_dtype))."""
         return (((self.conv_dim, self.kernel_size - 1), dtype),
                 ((self.num_v_heads, self.head_k_dim, self.head_v_dim), torch.float32))
 
