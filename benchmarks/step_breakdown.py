@@ -7,8 +7,13 @@ ModelRunner.execute) and filed by kind: decode, prompt or mixed (prompt chunks b
 CUDA graph or run eagerly. The sampler runs outside execute, so wall per step minus execute per step is the host's
 share plus sampling.
 
+`--mixed-draw SEED` replaces the fixed lengths with hybrid_bench.py's mixed draw (inputs 64..1024, outputs
+32..512, random.seed(SEED)), all requests submitted at once as its offline row does. `--profile N` also lists
+the CUDA kernels of N steps from the middle of the run by device time (torch.profiler).
+
 Usage: python3 benchmarks/step_breakdown.py MODEL [--quantization fp8] [--concurrency 64] [--requests 256]
          [--input-len 564] [--output-len 128] [--temperature 1.0] [--max-model-len 2048] [--fraction 0.85]
+         [--mixed-draw 0] [--max-num-seqs N] [--max-num-batched-tokens N] [--profile 40]
 """
 
 from __future__ import annotations
@@ -34,6 +39,14 @@ class _HostEvent:
         return (end.t - self.t) * 1e3
 
 
+def bucket(decodes: int) -> str:
+    """Decode rows of a step, in the ranges a step's cost moves with (weights once, state and KV per row)."""
+    for top in (16, 64, 128, 256, 512):
+        if decodes <= top:
+            return f"<={top} rows"
+    return ">512 rows"
+
+
 def timed_execute(runner, records: list) -> None:
     """Wrap runner.execute: (kind, prompt tokens, start event, end event) per step into records."""
     execute, replay = runner.execute, runner.cuda_graphs.replay
@@ -55,7 +68,8 @@ def timed_execute(runner, records: list) -> None:
         step = work.step
         prompt_tokens = 0 if step.is_decode else step.num_tokens - step.num_decodes
         kind = "decode" if step.is_decode else ("mixed" if step.num_decodes else "prompt")
-        records.append((f"{kind}-{'graph' if graphed.get('hit') else 'eager'}", prompt_tokens, start, end))
+        rows = f" {bucket(step.num_decodes if not step.is_decode else step.num_tokens)}" if kind != "prompt" else ""
+        records.append((f"{kind}-{'graph' if graphed.get('hit') else 'eager'}{rows}", prompt_tokens, start, end))
         return out
 
     runner.cuda_graphs.replay = replay_noting
@@ -74,19 +88,30 @@ def main() -> None:
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--fraction", type=float, default=0.85, help="gpu_memory_fraction, as the serving runs use")
     p.add_argument("--seed", type=int, default=5)
+    p.add_argument("--mixed-draw", type=int, default=None, metavar="SEED",
+                   help="hybrid_bench.py's mixed lengths, all requests at once")
+    p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--profile", type=int, default=0, metavar="STEPS", help="kernel table of STEPS middle steps")
     a = p.parse_args()
 
     engine = LLMEngine(EngineConfig(model=a.model, max_model_len=a.max_model_len, gpu_memory_fraction=a.fraction,
-                                    quantization=a.quantization))
+                                    quantization=a.quantization, max_num_seqs=a.max_num_seqs,
+                                    max_num_batched_tokens=a.max_num_batched_tokens))
     engine.emit_partial = False
     records: list = []
     timed_execute(engine.runner, records)
     rng = random.Random(a.seed)
     top = min(120000, engine.model_config.vocab_size - 1)
-    prompts = [[rng.randint(100, top) for _ in range(a.input_len)] for _ in range(a.requests)]
+    lengths = [(a.input_len, a.output_len)] * a.requests
+    if a.mixed_draw is not None:
+        random.seed(a.mixed_draw)
+        lengths = [(random.randint(64, 1024), random.randint(32, 512)) for _ in range(a.requests)]
+        a.concurrency = a.requests
+    prompts = [[rng.randint(100, top) for _ in range(n)] for n, _ in lengths]
 
-    def params() -> SamplingParams:
-        return SamplingParams(temperature=a.temperature, max_tokens=a.output_len, ignore_eos=True, detokenize=False)
+    def params(i: int = 0) -> SamplingParams:
+        return SamplingParams(temperature=a.temperature, max_tokens=lengths[i][1], ignore_eos=True, detokenize=False)
 
     engine.add_request("warm-up", prompts[0][:32], SamplingParams(temperature=a.temperature, max_tokens=4,
                                                                   ignore_eos=True, detokenize=False))
@@ -94,21 +119,35 @@ def main() -> None:
         engine.step()
     engine.block_manager.reset_prefix_cache()
     records.clear()
-    print(f"closed loop: {a.requests} requests of {a.input_len} / {a.output_len} tokens, {a.concurrency} in flight, "
-          f"temperature {a.temperature}, {a.quantization or 'no quantization'}", flush=True)
+    shape = "hybrid_bench's mixed draw" if a.mixed_draw is not None else f"{a.input_len} / {a.output_len} tokens"
+    print(f"closed loop: {a.requests} requests of {shape}, {a.concurrency} in flight, temperature {a.temperature}, "
+          f"{a.quantization or 'no quantization'}, max_num_seqs {engine.config.max_num_seqs}", flush=True)
+    profiler, kernel_table = None, "(the run ended before the window)"
     start = time.perf_counter()
     sent = generated = steps = 0
     for _ in range(min(a.concurrency, a.requests)):
-        engine.add_request(f"r{sent}", prompts[sent], params())
+        engine.add_request(f"r{sent}", prompts[sent], params(sent))
         sent += 1
     while engine.has_unfinished_requests():
+        if a.profile and steps == 100:
+            cuda = torch.cuda.is_available()
+            activity = torch.profiler.ProfilerActivity.CUDA if cuda else torch.profiler.ProfilerActivity.CPU
+            profiler = torch.profiler.profile(activities=[activity])
+            profiler.__enter__()
         for out in engine.step():
             if out.finished:
                 generated += out.num_generated_tokens
                 if sent < a.requests:
-                    engine.add_request(f"r{sent}", prompts[sent], params())
+                    engine.add_request(f"r{sent}", prompts[sent], params(sent))
                     sent += 1
         steps += 1
+        if profiler is not None and steps == 100 + a.profile:
+            if cuda:
+                torch.cuda.synchronize()
+            profiler.__exit__(None, None, None)
+            kernel_table = profiler.key_averages().table(sort_by=f"{'cuda' if cuda else 'cpu'}_time_total",
+                                                         row_limit=25)
+            profiler = None
     wall = time.perf_counter() - start
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -122,6 +161,8 @@ def main() -> None:
     print("| step kind | steps | ms each | seconds | prompt tokens a step |\n|---|---|---|---|---|")
     for kind, (n, ms, pt) in sorted(kinds.items()):
         print(f"| {kind} | {n} | {ms / n:.2f} | {ms / 1e3:.2f} | {pt / n:,.0f} |")
+    if a.profile:
+        print(f"\nkernels of steps 100..{100 + a.profile}:\n{kernel_table}")
 
 
 if __name__ == "__main__":
