@@ -9,7 +9,8 @@ share plus sampling.
 
 `--mixed-draw SEED` replaces the fixed lengths with hybrid_bench.py's mixed draw (inputs 64..1024, outputs
 32..512, random.seed(SEED)), all requests submitted at once as its offline row does. `--profile N` also lists
-the CUDA kernels of N steps from the middle of the run by device time (torch.profiler).
+the CUDA kernels by device time (torch.profiler) of two windows of N steps: from step 3 (prompt-heavy where
+every request arrives at once) and from step 100 (decodes).
 
 Usage: python3 benchmarks/step_breakdown.py MODEL [--quantization fp8] [--concurrency 64] [--requests 256]
          [--input-len 564] [--output-len 128] [--temperature 1.0] [--max-model-len 2048] [--fraction 0.85]
@@ -37,6 +38,21 @@ class _HostEvent:
 
     def elapsed_time(self, end: _HostEvent) -> float:
         return (end.t - self.t) * 1e3
+
+
+def kernel_table(profiler, steps: int, rows: int = 22) -> str:
+    """The kernels (ops on CPU) that took the most device time, ms a step each and their share."""
+    def self_time(e) -> float:  # µs; device time where there is a device
+        return getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0) \
+            or e.self_cpu_time_total
+
+    events = sorted(profiler.key_averages(), key=self_time, reverse=True)
+    total = sum(self_time(e) for e in events) or 1.0
+    lines = [f"{'kernel':<72} {'ms a step':>9} {'share':>6} {'calls':>6}"]
+    for e in events[:rows]:
+        lines.append(f"{e.key[:72]:<72} {self_time(e) / steps / 1e3:>9.2f} {self_time(e) / total:>6.1%} "
+                     f"{e.count // steps:>6}")
+    return "\n".join(lines + [f"{'all':<72} {total / steps / 1e3:>9.2f}"])
 
 
 def bucket(decodes: int) -> str:
@@ -122,14 +138,15 @@ def main() -> None:
     shape = "hybrid_bench's mixed draw" if a.mixed_draw is not None else f"{a.input_len} / {a.output_len} tokens"
     print(f"closed loop: {a.requests} requests of {shape}, {a.concurrency} in flight, temperature {a.temperature}, "
           f"{a.quantization or 'no quantization'}, max_num_seqs {engine.config.max_num_seqs}", flush=True)
-    profiler, kernel_table = None, "(the run ended before the window)"
+    windows = (3, 100) if a.profile else ()
+    profiler, tables = None, {}
     start = time.perf_counter()
     sent = generated = steps = 0
     for _ in range(min(a.concurrency, a.requests)):
         engine.add_request(f"r{sent}", prompts[sent], params(sent))
         sent += 1
     while engine.has_unfinished_requests():
-        if a.profile and steps == 100:
+        if steps in windows:
             cuda = torch.cuda.is_available()
             activity = torch.profiler.ProfilerActivity.CUDA if cuda else torch.profiler.ProfilerActivity.CPU
             profiler = torch.profiler.profile(activities=[activity])
@@ -141,12 +158,11 @@ def main() -> None:
                     engine.add_request(f"r{sent}", prompts[sent], params(sent))
                     sent += 1
         steps += 1
-        if profiler is not None and steps == 100 + a.profile:
+        if profiler is not None and steps - a.profile in windows:
             if cuda:
                 torch.cuda.synchronize()
             profiler.__exit__(None, None, None)
-            kernel_table = profiler.key_averages().table(sort_by=f"{'cuda' if cuda else 'cpu'}_time_total",
-                                                         row_limit=25)
+            tables[steps - a.profile] = kernel_table(profiler, a.profile)
             profiler = None
     wall = time.perf_counter() - start
     if torch.cuda.is_available():
@@ -161,8 +177,8 @@ def main() -> None:
     print("| step kind | steps | ms each | seconds | prompt tokens a step |\n|---|---|---|---|---|")
     for kind, (n, ms, pt) in sorted(kinds.items()):
         print(f"| {kind} | {n} | {ms / n:.2f} | {ms / 1e3:.2f} | {pt / n:,.0f} |")
-    if a.profile:
-        print(f"\nkernels of steps 100..{100 + a.profile}:\n{kernel_table}")
+    for first, table in tables.items():
+        print(f"\nkernels of steps {first}..{first + a.profile - 1}:\n{table}")
 
 
 if __name__ == "__main__":
