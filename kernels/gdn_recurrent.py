@@ -13,6 +13,7 @@ import triton.language as tl
 
 STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # the recurrent state's storage; the maths is fp32
 BLOCK_V = 32  # value columns a program: [128, 32] fp32 state tiles, 96 registers and no spills at Dk 128 (sm_90)
+NUM_WARPS = 4
 
 
 def check_state(ssm_state, Hv, Dk, Dv) -> None:
@@ -64,10 +65,12 @@ def _recurrent_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr,
     tl.store(o_row, tl.sum(S * q[:, None], 0).to(o_ptr.dtype.element_ty), mask=vmask)
 
 
-def recurrent_gated_delta_rule(q, k, v, a, b, A_log, dt_bias, ssm_state, state_slots, eps=1e-6):
+def recurrent_gated_delta_rule(q, k, v, a, b, A_log, dt_bias, ssm_state, state_slots, eps=1e-6, block_v=None,
+                               num_warps=None):
     """q, k [B, Hk, Dk], v [B, Hv, Dv] (strided views of the conv output), a, b [B, Hv] (views of the in-projection),
     ssm_state [slots, Hv, Dk, Dv] (STATE_DTYPES) -> o [B, Hv, Dv] in v.dtype; each row's slot state advanced in
-    place."""
+    place. block_v / num_warps: the tile's value columns and the program's warps (BLOCK_V / NUM_WARPS; the tile
+    sweep of benchmarks/gdn_decode_bench.py sets them)."""
     B, Hk, Dk = q.shape
     Hv, Dv = v.shape[1], v.shape[2]
     check_state(ssm_state, Hv, Dk, Dv)
@@ -77,10 +80,10 @@ def recurrent_gated_delta_rule(q, k, v, a, b, A_log, dt_bias, ssm_state, state_s
     if B == 0:
         return o
     bk = triton.next_power_of_2(Dk)
-    bv = min(triton.next_power_of_2(Dv), BLOCK_V)
+    bv = min(triton.next_power_of_2(Dv), block_v or BLOCK_V)
     _recurrent_kernel[(B, Hv, triton.cdiv(Dv, bv))](
         q, k, v, a, b, A_log, dt_bias, ssm_state, state_slots.to(torch.int32), o,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0), b.stride(0),
         ssm_state.stride(0), ssm_state.stride(1), Hv, Dk**-0.5, REP=Hv // Hk, DK=Dk, DV=Dv, BK=bk, BV=bv, EPS=eps,
-        num_warps=4)
+        num_warps=num_warps or NUM_WARPS)
     return o

@@ -1,0 +1,95 @@
+"""The Gated DeltaNet decode rule's state tile, swept at Qwen3.6-27B's shape on the GPU.
+
+A decode step reads and writes every running sequence's [48, 128, 128] state in each of the 48 DeltaNet layers:
+at 256 sequences in bf16 that is 0.8 GB a layer, and the rule is 40 % of the 27B decode step
+(`step_breakdown.py /dev/shm/q36 --mixed-draw 0 --profile 10`: 16.9 of ~42 ms at <= 256 rows, 2.2 TB/s).
+This times kernels/gdn_recurrent.py per (value columns a program, warps) for bf16 and fp32 states at batch 64,
+256 and 376, checks each variant against gdn_reference, and prints µs a layer and the state bandwidth.
+
+Usage: python3 benchmarks/gdn_decode_bench.py [--batches 64 256 376] [--bv 8 16 32 64] [--warps 1 2 4 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import triton
+
+from pagefleet.kernels import gdn_recurrent
+from pagefleet.kernels import gdn_reference as ref
+
+HK, HV, DK, DV = 16, 48, 128, 128
+
+
+def inputs(batch: int, slots: int, state_dtype: torch.dtype, gen: torch.Generator):
+    dev = "cuda"
+    qkv = torch.randn(batch, 2 * HK * DK + HV * DV, device=dev, generator=gen).bfloat16()
+    q = qkv[:, :HK * DK].view(batch, HK, DK)
+    k = qkv[:, HK * DK:2 * HK * DK].view(batch, HK, DK)
+    v = qkv[:, 2 * HK * DK:].view(batch, HV, DV)
+    ab = torch.randn(batch, 2 * HV, device=dev, generator=gen).bfloat16()
+    a, b = ab[:, :HV], ab[:, HV:]
+    A_log = torch.rand(HV, device=dev, generator=gen).mul(16).add(1).log()
+    dt_bias = torch.randn(HV, device=dev, generator=gen)
+    state = (torch.randn(slots, HV, DK, DV, device=dev, generator=gen) * 0.05).to(state_dtype)
+    order = torch.randperm(slots, device=dev, generator=gen)[:batch].int()
+    return q, k, v, a, b, A_log, dt_bias, state, order
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--batches", type=int, nargs="+", default=[64, 256, 376])
+    p.add_argument("--bv", type=int, nargs="+", default=[8, 16, 32, 64])
+    p.add_argument("--warps", type=int, nargs="+", default=[1, 2, 4, 8])
+    a = p.parse_args()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows = []
+    default = (gdn_recurrent.BLOCK_V, gdn_recurrent.NUM_WARPS)
+    for dtype in (torch.bfloat16, torch.float32):
+        # each variant against the reference once, at a small batch (the reference is slow)
+        q, k, v, aa, bb, A_log, dt_bias, state, order = inputs(32, 64, dtype, gen)
+        g, beta = ref.gdn_gating(A_log, aa, dt_bias, bb)
+        want_state = state.clone()
+        want = ref.recurrent_gated_delta_rule(q, k, v, g, beta, want_state, order)
+        bad = []
+        for bv in a.bv:
+            for w in a.warps:
+                s = state.clone()
+                o = gdn_recurrent.recurrent_gated_delta_rule(q, k, v, aa, bb, A_log, dt_bias, s, order, block_v=bv,
+                                                             num_warps=w)
+                err = ((o.double() - want.double()).norm() / want.double().norm()).item()
+                serr = ((s.double() - want_state.double()).norm() / want_state.double().norm()).item()
+                if not (err < 1.5e-2 and serr < 1e-2):
+                    bad.append((bv, w, err, serr))
+        if bad:
+            raise SystemExit(f"variants off the reference ({dtype}): {bad}")
+        print(f"{dtype}: every variant matches the reference", flush=True)
+        for batch in a.batches:
+            args = inputs(batch, batch + 8, dtype, gen)
+            state = args[7]
+            moved = 2 * batch * HV * DK * DV * state.element_size()
+            for bv in a.bv:
+                for w in a.warps:
+                    ms = triton.testing.do_bench(
+                        lambda bv=bv, w=w, args=args: gdn_recurrent.recurrent_gated_delta_rule(
+                            *args, block_v=bv, num_warps=w),
+                        warmup=20, rep=100)
+                    rows.append((str(dtype).removeprefix("torch."), batch, bv, w, ms * 1e3, moved / ms / 1e9))
+                    print(f"  {rows[-1][0]} batch {batch} BV {bv} warps {w}: {ms * 1e3:.1f} us, "
+                          f"{moved / ms / 1e9:.2f} TB/s", flush=True)
+    print(f"\nbest per state dtype and batch (default BV {default[0]}, {default[1]} warps):")
+    print("| state | batch | default µs | best µs | best BV, warps | TB/s |\n|---|---|---|---|---|---|")
+    for dtype in ("bfloat16", "float32"):
+        for batch in a.batches:
+            mine = [r for r in rows if r[0] == dtype and r[1] == batch]
+            if not mine:
+                continue
+            best = min(mine, key=lambda r: r[4])
+            base = next((r for r in mine if (r[2], r[3]) == default), None)
+            print(f"| {dtype} | {batch} | {base[4]:.1f} | {best[4]:.1f} | {best[2]}, {best[3]} | {best[5]:.2f} |"
+                  if base else f"| {dtype} | {batch} | - | {best[4]:.1f} | {best[2]}, {best[3]} | {best[5]:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
