@@ -12,8 +12,11 @@ import triton
 import triton.language as tl
 
 STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # the recurrent state's storage; the maths is fp32
-BLOCK_V = 32  # value columns a program: [128, 32] fp32 state tiles, 96 registers and no spills at Dk 128 (sm_90)
-NUM_WARPS = 4
+# (value columns a program, warps) by the state's storage dtype: [128, 64] tiles, 4 warps for fp32 and 2 for a
+# half-precision state, whose 64 columns are one 128-byte row segment. benchmarks/gdn_decode_bench.py at the 27B
+# shape, batch 256 on the H200: bf16 288 against 430 µs a layer for the [128, 32] x 4 warps tile (2.80 TB/s),
+# fp32 423 against 494 (3.81 TB/s); at batch 64 and 376 the same tiles win.
+TILES = {torch.float32: (64, 4), torch.bfloat16: (64, 2), torch.float16: (64, 2)}
 
 
 def check_state(ssm_state, Hv, Dk, Dv) -> None:
@@ -69,8 +72,8 @@ def recurrent_gated_delta_rule(q, k, v, a, b, A_log, dt_bias, ssm_state, state_s
                                num_warps=None):
     """q, k [B, Hk, Dk], v [B, Hv, Dv] (strided views of the conv output), a, b [B, Hv] (views of the in-projection),
     ssm_state [slots, Hv, Dk, Dv] (STATE_DTYPES) -> o [B, Hv, Dv] in v.dtype; each row's slot state advanced in
-    place. block_v / num_warps: the tile's value columns and the program's warps (BLOCK_V / NUM_WARPS; the tile
-    sweep of benchmarks/gdn_decode_bench.py sets them)."""
+    place. block_v / num_warps: the tile's value columns and the program's warps (default: TILES for the state's
+    dtype; benchmarks/gdn_decode_bench.py sweeps them)."""
     B, Hk, Dk = q.shape
     Hv, Dv = v.shape[1], v.shape[2]
     check_state(ssm_state, Hv, Dk, Dv)
@@ -80,10 +83,11 @@ def recurrent_gated_delta_rule(q, k, v, a, b, A_log, dt_bias, ssm_state, state_s
     if B == 0:
         return o
     bk = triton.next_power_of_2(Dk)
-    bv = min(triton.next_power_of_2(Dv), block_v or BLOCK_V)
+    tile_v, warps = TILES[ssm_state.dtype]
+    bv = min(triton.next_power_of_2(Dv), block_v or tile_v)
     _recurrent_kernel[(B, Hv, triton.cdiv(Dv, bv))](
         q, k, v, a, b, A_log, dt_bias, ssm_state, state_slots.to(torch.int32), o,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0), b.stride(0),
         ssm_state.stride(0), ssm_state.stride(1), Hv, Dk**-0.5, REP=Hv // Hk, DK=Dk, DV=Dv, BK=bk, BV=bv, EPS=eps,
-        num_warps=num_warps or NUM_WARPS)
+        num_warps=num_warps or warps)
     return o

@@ -2,7 +2,8 @@
 
 The interpreter (test_gdn_triton.py) checks their maths but not what the compiler makes of them: here each kernel,
 with the launch settings its wrapper uses, must fit the shared memory an H200 block may take, and the small ones
-must not spill registers (the chunked rule's two kernels hold 64 x 128 fp32 tiles and spill a little, by design).
+must not spill registers (the chunked rule's two kernels hold 64 x 128 fp32 tiles and spill a little, by design,
+as does the decode rule's bf16-state tile).
 """
 import re
 import subprocess
@@ -44,21 +45,28 @@ def spill_bytes(kernel, tmp_path) -> int:
     return int(re.search(r"(\d+) bytes spill stores", proc.stderr).group(1))
 
 
-def test_decode_kernels_fit_and_do_not_spill(tmp_path):
-    bv = min(DV, rec.BLOCK_V)
+@pytest.mark.parametrize("state", [F32, BF16])
+def test_decode_kernels_fit_and_do_not_spill(tmp_path, state):
+    import torch
+
+    bv, warps = rec.TILES[torch.float32 if state == F32 else torch.bfloat16]
     recurrent = compile_sm90(rec._recurrent_kernel,
                              {"q_ptr": BF16, "k_ptr": BF16, "v_ptr": BF16, "a_ptr": BF16, "b_ptr": BF16,
-                              "A_log_ptr": F32, "dt_bias_ptr": F32, "state_ptr": F32, "slots_ptr": I32,
+                              "A_log_ptr": F32, "dt_bias_ptr": F32, "state_ptr": state, "slots_ptr": I32,
                               "o_ptr": BF16, "scale": "fp32"},
-                             {"REP": HV // HK, "DK": DK, "DV": DV, "BK": DK, "BV": bv, "EPS": 1e-6})
+                             {"REP": HV // HK, "DK": DK, "DV": DV, "BK": DK, "BV": min(DV, bv), "EPS": 1e-6},
+                             num_warps=warps)
     decode_conv = compile_sm90(conv._conv_decode_kernel, {"x_ptr": BF16, "w_ptr": BF16, "state_ptr": BF16,
                                                           "slots_ptr": I32, "y_ptr": BF16},
                                {"K": KW, "BLOCK_C": conv.DECODE_BLOCK_C})
     gated_norm = compile_sm90(norm._gated_rms_norm_kernel, {"x_ptr": BF16, "z_ptr": BF16, "w_ptr": BF16,
                                                             "out_ptr": BF16, "eps": "fp32"},
                               {"N": DV, "BLOCK": DV, "ROWS": norm.ROWS, "ROUND_WEIGHTED": True})
+    # the bf16 state's [128, 64] tile on 2 warps keeps 128 fp32 values a thread and spills 88 bytes; it is still
+    # the fastest tile measured (gdn_decode_bench.py: 288 against 430 µs at batch 256), so a little spill is allowed
+    allowed = {recurrent: 0 if state == F32 else 128, decode_conv: 0, gated_norm: 0}
     for k in (recurrent, decode_conv, gated_norm):
-        assert k.asm["cubin"] and k.metadata.shared <= SHARED_MAX and spill_bytes(k, tmp_path) == 0
+        assert k.asm["cubin"] and k.metadata.shared <= SHARED_MAX and spill_bytes(k, tmp_path) <= allowed[k]
 
 
 def test_prefill_conv_fits_and_does_not_spill(tmp_path):
