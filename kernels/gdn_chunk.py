@@ -138,14 +138,15 @@ def _chunk_state_kernel(q_ptr, k_ptr, G_ptr, w_ptr, u_ptr, aq_ptr, state_ptr, cu
 
 
 def chunk_gated_delta_rule(q, k, v, a, b, A_log, dt_bias, ssm_state, state_slots, cu_seqlens, eps=1e-6,
-                           precision=None):
+                           precision=None, launch=None):
     """q, k [T, Hk, Dk], v [T, Hv, Dv] straight from the conv, a, b [T, Hv] (in-projection views), ssm_state
     [slots, Hv, Dk, Dv] (fp32, bf16 or fp16: the state loop runs in fp32 either way), state_slots [num_seqs]
     (-1: padding), cu_seqlens [num_seqs + 1] -> o [T, Hv, Dv] in v.dtype (zero on padding rows); each sequence
     starts from and leaves its state in its slot.
 
     precision: tl.dot's input precision; default "ieee" for fp32 models (the fp32 tests), "tf32" for half
-    precision ones, whose inputs carry fewer bits than tf32 keeps."""
+    precision ones, whose inputs carry fewer bits than tf32 keeps. launch: overrides of the launch settings
+    ({"prepare_warps", "state_warps", "state_stages", "state_bv"}; benchmarks/gdn_tile_bench.py sweeps them)."""
     T, Hk, Dk = q.shape
     Hv, Dv = v.shape[1], v.shape[2]
     check_state(ssm_state, Hv, Dk, Dv)
@@ -177,13 +178,18 @@ def chunk_gated_delta_rule(q, k, v, a, b, A_log, dt_bias, ssm_state, state_slots
     u = torch.empty(T, Hv, Dv, dtype=torch.float32, device=dev)
     aq = torch.empty(T, Hv, CHUNK, dtype=torch.float32, device=dev)
     prepare, state = tiles(Dk, Dv)
+    launch = launch or {}
+    if "state_bv" in launch:
+        state = {**state, "BV": min(triton.next_power_of_2(Dv), launch["state_bv"])}
     _chunk_prepare_kernel[(max_chunks, Hv)](
         qn, kn, v, g, beta, cu, chunk_cu, chunk_seq, G, w, u, aq, n, qn.stride(0), qn.stride(1), v.stride(0),
-        v.stride(1), Hv, REP=Hv // Hk, DK=Dk, DV=Dv, BT=CHUNK, PREC=precision, num_warps=PREPARE_WARPS, **prepare)
+        v.stride(1), Hv, REP=Hv // Hk, DK=Dk, DV=Dv, BT=CHUNK, PREC=precision,
+        num_warps=launch.get("prepare_warps", PREPARE_WARPS), **prepare)
     _chunk_state_kernel[(n, Hv, triton.cdiv(Dv, state["BV"]))](
         qn, kn, G, w, u, aq, ssm_state, cu, slots, o, qn.stride(0), qn.stride(1), ssm_state.stride(0),
-        ssm_state.stride(1), Hv, REP=Hv // Hk, DK=Dk, DV=Dv, BT=CHUNK, PREC=precision, num_warps=STATE_WARPS,
-        num_stages=STATE_STAGES, **state)
+        ssm_state.stride(1), Hv, REP=Hv // Hk, DK=Dk, DV=Dv, BT=CHUNK, PREC=precision,
+        num_warps=launch.get("state_warps", STATE_WARPS), num_stages=launch.get("state_stages", STATE_STAGES),
+        **state)
     return o
 
 

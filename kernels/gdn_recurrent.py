@@ -13,7 +13,7 @@ import triton.language as tl
 
 STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # the recurrent state's storage; the maths is fp32
 # (value columns a program, warps) by the state's storage dtype: [128, 64] tiles, 4 warps for fp32 and 2 for a
-# half-precision state, whose 64 columns are one 128-byte row segment. benchmarks/gdn_decode_bench.py at the 27B
+# half-precision state, whose 64 columns are one 128-byte row segment. benchmarks/gdn_tile_bench.py at the 27B
 # shape, batch 256 on the H200: bf16 288 against 430 µs a layer for the [128, 32] x 4 warps tile (2.80 TB/s),
 # fp32 423 against 494 (3.81 TB/s); at batch 64 and 376 the same tiles win.
 TILES = {torch.float32: (64, 4), torch.bfloat16: (64, 2), torch.float16: (64, 2)}
@@ -73,7 +73,7 @@ def recurrent_gated_delta_rule(q, k, v, a, b, A_log, dt_bias, ssm_state, state_s
     """q, k [B, Hk, Dk], v [B, Hv, Dv] (strided views of the conv output), a, b [B, Hv] (views of the in-projection),
     ssm_state [slots, Hv, Dk, Dv] (STATE_DTYPES) -> o [B, Hv, Dv] in v.dtype; each row's slot state advanced in
     place. block_v / num_warps: the tile's value columns and the program's warps (default: TILES for the state's
-    dtype; benchmarks/gdn_decode_bench.py sweeps them)."""
+    dtype; benchmarks/gdn_tile_bench.py sweeps them)."""
     B, Hk, Dk = q.shape
     Hv, Dv = v.shape[1], v.shape[2]
     check_state(ssm_state, Hv, Dk, Dv)

@@ -63,7 +63,7 @@ def test_decode_kernels_fit_and_do_not_spill(tmp_path, state):
                                                             "out_ptr": BF16, "eps": "fp32"},
                               {"N": DV, "BLOCK": DV, "ROWS": norm.ROWS, "ROUND_WEIGHTED": True})
     # the bf16 state's [128, 64] tile on 2 warps keeps 128 fp32 values a thread and spills 88 bytes; it is still
-    # the fastest tile measured (gdn_decode_bench.py: 288 against 430 µs at batch 256), so a little spill is allowed
+    # the fastest tile measured (gdn_tile_bench.py: 288 against 430 µs at batch 256), so a little spill is allowed
     allowed = {recurrent: 0 if state == F32 else 128, decode_conv: 0, gated_norm: 0}
     for k in (recurrent, decode_conv, gated_norm):
         assert k.asm["cubin"] and k.metadata.shared <= SHARED_MAX and spill_bytes(k, tmp_path) <= allowed[k]

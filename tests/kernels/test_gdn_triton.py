@@ -156,6 +156,28 @@ def test_state_dtype_is_checked():
                                                        torch.tensor([0, 1], dtype=torch.int32))
 
 
+def test_launch_settings_do_not_change_the_rule():
+    """The tile sweep's overrides (benchmarks/gdn_tile_bench.py) give the default launch's outputs and states."""
+    gen = torch.Generator().manual_seed(8)
+    lens = [5, 70, 3]
+    q, k, v, a, b, A_log, dt_bias, state = rule_inputs(sum(lens), torch.float32, gen)
+    slots = torch.tensor([3, 0, 5], dtype=torch.int32)
+    base_state = state.clone()
+    base = TK["gdn_chunk"].chunk_gated_delta_rule(q, k, v, a, b, A_log, dt_bias, base_state, slots, cu(lens))
+    swept = TK["gdn_chunk"].chunk_gated_delta_rule(q, k, v, a, b, A_log, dt_bias, state, slots, cu(lens),
+                                                   launch={"state_bv": 16, "state_warps": 4, "prepare_warps": 4})
+    close(swept, base, torch.float32)
+    close(state, base_state, torch.float32)
+    rows = slice(0, 3)
+    one = state.clone()
+    o1 = TK["gdn_recurrent"].recurrent_gated_delta_rule(q[rows], k[rows], v[rows], a[rows], b[rows], A_log, dt_bias,
+                                                        one, slots)
+    o2 = TK["gdn_recurrent"].recurrent_gated_delta_rule(q[rows], k[rows], v[rows], a[rows], b[rows], A_log, dt_bias,
+                                                        state, slots, block_v=16, num_warps=2)
+    close(o2, o1, torch.float32)
+    close(state, one, torch.float32)
+
+
 def test_chunk_then_recurrent_equals_recurrent_only():
     """The chunked form and the recurrent step are one rule: a 9-token prompt through the chunk kernel, then a
     decode, leaves the state and output of ten recurrent steps."""

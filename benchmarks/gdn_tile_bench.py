@@ -1,4 +1,4 @@
-"""The Gated DeltaNet decode rule's state tile, swept at Qwen3.6-27B's shape on the GPU.
+"""The Gated DeltaNet kernels' tiles, swept at Qwen3.6-27B's shape on the GPU: the decode rule, then the chunked rule.
 
 A decode step reads and writes every running sequence's [48, 128, 128] state in each of the 48 DeltaNet layers:
 at 256 sequences in bf16 that is 0.8 GB a layer, and the rule is 40 % of the 27B decode step
@@ -6,17 +6,23 @@ at 256 sequences in bf16 that is 0.8 GB a layer, and the rule is 40 % of the 27B
 This times kernels/gdn_recurrent.py per (value columns a program, warps) for bf16 and fp32 states at batch 64,
 256 and 376, checks each variant against gdn_reference, and prints µs a layer and the state bandwidth.
 
-Usage: python3 benchmarks/gdn_decode_bench.py [--batches 64 256 376] [--bv 8 16 32 64] [--warps 1 2 4 8]
+The chunked rule (kernels/gdn_chunk.py) is ~25 % of a 27B prompt step's device time beside the GEMMs' ~70 %
+(the same profile, 16,384-token steps). `--prefill` times its launch settings on a 16,384-token batch of the
+mixed draw's lengths (64..1024), each checked against the reference first.
+
+Usage: python3 benchmarks/gdn_tile_bench.py [--batches 64 256 376] [--bv 8 16 32 64] [--warps 1 2 4 8] [--prefill]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
+import random
 
 import torch
 import triton
 
-from pagefleet.kernels import gdn_recurrent
+from pagefleet.kernels import gdn_chunk, gdn_recurrent
 from pagefleet.kernels import gdn_reference as ref
 
 HK, HV, DK, DV = 16, 48, 128, 128
@@ -37,11 +43,63 @@ def inputs(batch: int, slots: int, state_dtype: torch.dtype, gen: torch.Generato
     return q, k, v, a, b, A_log, dt_bias, state, order
 
 
+def prefill_inputs(lens: list[int], state_dtype: torch.dtype, gen: torch.Generator):
+    q, k, v, a, b, A_log, dt_bias, state, _ = inputs(sum(lens), len(lens) + 4, state_dtype, gen)
+    slots = torch.randperm(len(lens) + 4, device="cuda", generator=gen)[:len(lens)].int()
+    cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device="cuda")
+    return q, k, v, a, b, A_log, dt_bias, state, slots, cu
+
+
+def prefill_sweep() -> None:
+    """The chunked rule's launch settings: each variant against the reference on 4 sequences, then timed on a
+    16,384-token batch of mixed lengths."""
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    variants = [dict(zip(("state_bv", "state_warps", "prepare_warps"), c))
+                for c in itertools.product((16, 32, 64), (4, 8), (4, 8))]
+    default = {"state_bv": gdn_chunk.tiles(DK, DV)[1]["BV"], "state_warps": gdn_chunk.STATE_WARPS,
+               "prepare_warps": gdn_chunk.PREPARE_WARPS}
+    q, k, v, a, b, A_log, dt_bias, state, slots, cu = prefill_inputs([130, 64, 1, 300], torch.bfloat16, gen)
+    g, beta = ref.gdn_gating(A_log, a, dt_bias, b)
+    want_state = state.clone()
+    want = ref.chunk_gated_delta_rule(q, k, v, g, beta, want_state, slots, cu)
+    ok = []
+    for var in variants:
+        s = state.clone()
+        try:
+            o = gdn_chunk.chunk_gated_delta_rule(q, k, v, a, b, A_log, dt_bias, s, slots, cu, launch=var)
+        except Exception as e:  # a tile past the shared memory a block may have does not launch
+            print(f"  {var}: does not launch ({type(e).__name__})", flush=True)
+            continue
+        err = ((o.double() - want.double()).norm() / want.double().norm()).item()
+        serr = ((s.double() - want_state.double()).norm() / want_state.double().norm()).item()
+        if err < 1.5e-2 and serr < 1e-2:
+            ok.append(var)
+        else:
+            print(f"  {var}: off the reference ({err:.3g}, state {serr:.3g})", flush=True)
+    rng = random.Random(0)
+    lens: list[int] = []
+    while sum(lens) < 16384:
+        lens.append(min(rng.randint(64, 1024), 16384 - sum(lens)))
+    args = prefill_inputs(lens, torch.bfloat16, gen)
+    rows = []
+    for var in ok:
+        ms = triton.testing.do_bench(lambda var=var: gdn_chunk.chunk_gated_delta_rule(*args, launch=var),
+                                     warmup=5, rep=50)
+        rows.append((var, ms))
+        print(f"  prefill {var}: {ms * 1e3:.0f} us", flush=True)
+    base = next((ms for var, ms in rows if var == default), None)
+    best = min(rows, key=lambda r: r[1])
+    print(f"\nchunked rule, {len(lens)} sequences of 16,384 tokens, one layer, bf16 state: default {default} "
+          f"{base * 1e3 if base else float('nan'):.0f} us, best {best[0]} {best[1] * 1e3:.0f} us "
+          f"({len(ok)} of {len(variants)} variants launch and match)")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batches", type=int, nargs="+", default=[64, 256, 376])
     p.add_argument("--bv", type=int, nargs="+", default=[8, 16, 32, 64])
     p.add_argument("--warps", type=int, nargs="+", default=[1, 2, 4, 8])
+    p.add_argument("--prefill", action="store_true", help="then sweep the chunked rule's launch settings")
     a = p.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []
@@ -88,6 +146,8 @@ def main() -> None:
             base = next((r for r in mine if (r[2], r[3]) == gdn_recurrent.TILES[getattr(torch, dtype)]), None)
             print(f"| {dtype} | {batch} | {base[4]:.1f} | {best[4]:.1f} | {best[2]}, {best[3]} | {best[5]:.2f} |"
                   if base else f"| {dtype} | {batch} | - | {best[4]:.1f} | {best[2]}, {best[3]} | {best[5]:.2f} |")
+    if a.prefill:
+        prefill_sweep()
 
 
 if __name__ == "__main__":
