@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Serving the Qwen3.6-27B-shaped hybrid checkpoint (hybrid_bench.py make DIR): one engine's server, then the
+# peer's greedy 564 / 128 streaming client at concurrency 1, 8 and 64 (.peer/serve_bench.py), then vLLM's own
+# `bench serve` at the server's default sampling (temperature 1) at the same levels. The issue's serving rows,
+# for pagefleet and vLLM 0.26 one after the other on one GPU (.peer/ set up as its README says):
+#   source .peer/side_env.sh && bash benchmarks/hybrid_serve.sh {pagefleet|vllm} OUT_DIR [DIR (/dev/shm/q36)]
+# Both servers: max_model_len 2048, GPU share 0.85, each engine's serving defaults for the GPU. vLLM gets the
+# Triton GDN prefill (no FlashInfer in the bundle) and no image or video inputs.
+set -uo pipefail
+eng=${1:?usage: hybrid_serve.sh {pagefleet|vllm} OUT_DIR [CHECKPOINT]}; out=${2:?OUT_DIR}; ck=${3:-/dev/shm/q36}
+port=8000; log=$out/hybrid-serve-$eng.log
+mkdir -p "$out"
+t0=$(date +%s.%N)
+if [ "$eng" = vllm ]; then
+  python3 -m vllm.entrypoints.cli.main serve "$ck" --served-model-name q36 --port $port --host 127.0.0.1 \
+    --max-model-len 2048 --gpu-memory-utilization 0.85 --limit-mm-per-prompt '{"image": 0, "video": 0}' \
+    --additional-config '{"gdn_prefill_backend": "triton"}' > "$log" 2>&1 &
+else
+  python3 -m pagefleet serve --model "$ck" --served-model-name q36 --port $port --host 127.0.0.1 \
+    --max-model-len 2048 --gpu-memory-fraction 0.85 --disable-access-log > "$log" 2>&1 &
+fi
+sp=$!
+for _ in $(seq 1 900); do
+  curl -sf http://127.0.0.1:$port/v1/models > /dev/null && break
+  kill -0 $sp 2> /dev/null || { tail -40 "$log"; exit 1; }
+  sleep 0.5
+done
+echo "READY $eng $(python3 -c "print(round($(date +%s.%N) - $t0, 1))") s"
+timeout 400 python3 .peer/serve_bench.py http://127.0.0.1:$port q36 1,8,64 2>&1 | tail -4
+for c in 1 8 64; do
+  echo "-- vllm bench serve, server-default sampling, concurrency $c"
+  timeout 300 python3 -m vllm.entrypoints.cli.main bench serve --backend vllm --base-url http://127.0.0.1:$port \
+    --model q36 --tokenizer "$ck" --dataset-name random --random-input-len 564 --random-output-len 128 \
+    --num-prompts $((c < 4 ? 16 : 4 * c)) --max-concurrency $c --ignore-eos --seed 5 2>&1 \
+    | grep -E "Successful|Output token throughput|Median TTFT|P99 TTFT|Median TPOT|rror" | head -8
+done
+kill $sp; wait $sp 2> /dev/null
+true
