@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import random
+import time
 
 import torch
 import triton
@@ -26,10 +27,21 @@ from pagefleet.kernels import gdn_chunk, gdn_recurrent
 from pagefleet.kernels import gdn_reference as ref
 
 HK, HV, DK, DV = 16, 48, 128, 128
+DEV = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: --dry-run under TRITON_INTERPRET=1
+PREFILL_TOKENS = 16384
+DRY = False  # --dry-run: two variants of each, tiny batches
+
+
+def bench_ms(fn, warmup: int, rep: int) -> float:
+    if DEV == "cuda":
+        return triton.testing.do_bench(fn, warmup=warmup, rep=rep)
+    start = time.perf_counter()  # the interpreter: one call, to see the script through
+    fn()
+    return (time.perf_counter() - start) * 1e3
 
 
 def inputs(batch: int, slots: int, state_dtype: torch.dtype, gen: torch.Generator):
-    dev = "cuda"
+    dev = DEV
     qkv = torch.randn(batch, 2 * HK * DK + HV * DV, device=dev, generator=gen).bfloat16()
     q = qkv[:, :HK * DK].view(batch, HK, DK)
     k = qkv[:, HK * DK:2 * HK * DK].view(batch, HK, DK)
@@ -45,20 +57,21 @@ def inputs(batch: int, slots: int, state_dtype: torch.dtype, gen: torch.Generato
 
 def prefill_inputs(lens: list[int], state_dtype: torch.dtype, gen: torch.Generator):
     q, k, v, a, b, A_log, dt_bias, state, _ = inputs(sum(lens), len(lens) + 4, state_dtype, gen)
-    slots = torch.randperm(len(lens) + 4, device="cuda", generator=gen)[:len(lens)].int()
-    cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device="cuda")
+    slots = torch.randperm(len(lens) + 4, device=DEV, generator=gen)[:len(lens)].int()
+    cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=DEV)
     return q, k, v, a, b, A_log, dt_bias, state, slots, cu
 
 
 def prefill_sweep() -> None:
     """The chunked rule's launch settings: each variant against the reference on 4 sequences, then timed on a
     16,384-token batch of mixed lengths."""
-    gen = torch.Generator(device="cuda").manual_seed(1)
+    gen = torch.Generator(device=DEV).manual_seed(1)
     variants = [dict(zip(("state_bv", "state_warps", "prepare_warps"), c))
-                for c in itertools.product((16, 32, 64), (4, 8), (4, 8))]
+                for c in itertools.product((16, 32, 64), (4, 8), (4, 8))][:2 if DRY else None]
     default = {"state_bv": gdn_chunk.tiles(DK, DV)[1]["BV"], "state_warps": gdn_chunk.STATE_WARPS,
                "prepare_warps": gdn_chunk.PREPARE_WARPS}
-    q, k, v, a, b, A_log, dt_bias, state, slots, cu = prefill_inputs([130, 64, 1, 300], torch.bfloat16, gen)
+    q, k, v, a, b, A_log, dt_bias, state, slots, cu = prefill_inputs([70, 1, 30] if DRY else [130, 64, 1, 300],
+                                                                     torch.bfloat16, gen)
     g, beta = ref.gdn_gating(A_log, a, dt_bias, b)
     want_state = state.clone()
     want = ref.chunk_gated_delta_rule(q, k, v, g, beta, want_state, slots, cu)
@@ -78,19 +91,18 @@ def prefill_sweep() -> None:
             print(f"  {var}: off the reference ({err:.3g}, state {serr:.3g})", flush=True)
     rng = random.Random(0)
     lens: list[int] = []
-    while sum(lens) < 16384:
-        lens.append(min(rng.randint(64, 1024), 16384 - sum(lens)))
+    while sum(lens) < PREFILL_TOKENS:
+        lens.append(min(rng.randint(64, 1024), PREFILL_TOKENS - sum(lens)))
     args = prefill_inputs(lens, torch.bfloat16, gen)
     rows = []
     for var in ok:
-        ms = triton.testing.do_bench(lambda var=var: gdn_chunk.chunk_gated_delta_rule(*args, launch=var),
-                                     warmup=5, rep=50)
+        ms = bench_ms(lambda var=var: gdn_chunk.chunk_gated_delta_rule(*args, launch=var), warmup=5, rep=50)
         rows.append((var, ms))
         print(f"  prefill {var}: {ms * 1e3:.0f} us", flush=True)
     base = next((ms for var, ms in rows if var == default), None)
     best = min(rows, key=lambda r: r[1])
-    print(f"\nchunked rule, {len(lens)} sequences of 16,384 tokens, one layer, bf16 state: default {default} "
-          f"{base * 1e3 if base else float('nan'):.0f} us, best {best[0]} {best[1] * 1e3:.0f} us "
+    print(f"\nchunked rule, {len(lens)} sequences of {PREFILL_TOKENS:,} tokens, one layer, bf16 state: "
+          f"default {default} {base * 1e3 if base else float('nan'):.0f} us, best {best[0]} {best[1] * 1e3:.0f} us "
           f"({len(ok)} of {len(variants)} variants launch and match)")
 
 
@@ -100,8 +112,13 @@ def main() -> None:
     p.add_argument("--bv", type=int, nargs="+", default=[8, 16, 32, 64])
     p.add_argument("--warps", type=int, nargs="+", default=[1, 2, 4, 8])
     p.add_argument("--prefill", action="store_true", help="then sweep the chunked rule's launch settings")
+    p.add_argument("--dry-run", action="store_true", help="CPU under TRITON_INTERPRET=1: tiny batches, one call each")
     a = p.parse_args()
-    gen = torch.Generator(device="cuda").manual_seed(0)
+    if a.dry_run:
+        global PREFILL_TOKENS, DRY, HK, HV, DK, DV  # the interpreter takes minutes a launch at the real shape
+        PREFILL_TOKENS, DRY, a.batches, a.bv, a.warps = 300, True, [2], a.bv[:1], a.warps[:1]
+        HK, HV, DK, DV = 2, 4, 32, 32
+    gen = torch.Generator(device=DEV).manual_seed(0)
     rows = []
     for dtype in (torch.bfloat16, torch.float32):
         # each variant against the reference once, at a small batch (the reference is slow)
@@ -128,7 +145,7 @@ def main() -> None:
             moved = 2 * batch * HV * DK * DV * state.element_size()
             for bv in a.bv:
                 for w in a.warps:
-                    ms = triton.testing.do_bench(
+                    ms = bench_ms(
                         lambda bv=bv, w=w, args=args: gdn_recurrent.recurrent_gated_delta_rule(
                             *args, block_v=bv, num_warps=w),
                         warmup=20, rep=100)
