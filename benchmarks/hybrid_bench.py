@@ -30,6 +30,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from pagefleet.worker.core.config import MAMBA_SSM_DTYPES
+
 # peer/qwen36_anchor.py's text config: Qwen3.6-27B's shape (ANCHORS.md), 64 layers = 16 x (3 DeltaNet + 1 full)
 TEXT_27B = dict(
     hidden_size=5120, intermediate_size=17408, num_hidden_layers=64, num_attention_heads=24, num_key_value_heads=4,
@@ -467,7 +469,7 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("out")
     r.add_argument("--grpo-prompts", type=int, default=16, help="GRPO prompts of n=16 samples (the issue's: 64)")
     r.add_argument("--only", nargs="+", choices=["batch1", "mixed256", "mixed256_t1", "grpo"], default=None)
-    r.add_argument("--mamba-ssm-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+    r.add_argument("--mamba-ssm-cache-dtype", default="auto", choices=MAMBA_SSM_DTYPES,
                    help="the recurrent state's storage (auto: the checkpoint's mamba_ssm_dtype, else bf16; vLLM's "
                         "rule, so both engines store the same)")
     for s in (m, c, r):

@@ -138,6 +138,7 @@ def main() -> None:
     shape = "hybrid_bench's mixed draw" if a.mixed_draw is not None else f"{a.input_len} / {a.output_len} tokens"
     print(f"closed loop: {a.requests} requests of {shape}, {a.concurrency} in flight, temperature {a.temperature}, "
           f"{a.quantization or 'no quantization'}, max_num_seqs {engine.config.max_num_seqs}", flush=True)
+    cuda = torch.cuda.is_available()
     windows = (3, 100) if a.profile else ()
     profiler, tables = None, {}
     start = time.perf_counter()
@@ -147,7 +148,6 @@ def main() -> None:
         sent += 1
     while engine.has_unfinished_requests():
         if steps in windows:
-            cuda = torch.cuda.is_available()
             activity = torch.profiler.ProfilerActivity.CUDA if cuda else torch.profiler.ProfilerActivity.CPU
             profiler = torch.profiler.profile(activities=[activity])
             profiler.__enter__()
@@ -165,7 +165,7 @@ def main() -> None:
             tables[steps - a.profile] = kernel_table(profiler, a.profile)
             profiler = None
     wall = time.perf_counter() - start
-    if torch.cuda.is_available():
+    if cuda:
         torch.cuda.synchronize()
     kinds = collections.defaultdict(lambda: [0, 0.0, 0])
     for kind, prompt_tokens, s, e in records:

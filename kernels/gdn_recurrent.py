@@ -11,7 +11,6 @@ import torch
 import triton
 import triton.language as tl
 
-STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # the recurrent state's storage; the maths is fp32
 # (value columns a program, warps) by the state's storage dtype: [128, 64] tiles, 4 warps for fp32 and 2 for a
 # half-precision state, whose 64 columns are one 128-byte row segment. benchmarks/gdn_tile_bench.py at the 27B
 # shape, batch 256 on the H200: bf16 288 against 430 µs a layer for the [128, 32] x 4 warps tile (2.80 TB/s),
@@ -20,7 +19,8 @@ TILES = {torch.float32: (64, 4), torch.bfloat16: (64, 2), torch.float16: (64, 2)
 
 
 def check_state(ssm_state, Hv, Dk, Dv) -> None:
-    if ssm_state.dtype not in STATE_DTYPES or ssm_state.shape[1:] != (Hv, Dk, Dv) or ssm_state.stride(2) != Dv \
+    """The recurrent state's storage is one TILES has a tile for; the maths is fp32 whatever it is."""
+    if ssm_state.dtype not in TILES or ssm_state.shape[1:] != (Hv, Dk, Dv) or ssm_state.stride(2) != Dv \
             or ssm_state.stride(3) != 1:
         raise ValueError(f"ssm_state must be fp32, bf16 or fp16 [slots, {Hv}, {Dk}, {Dv}] with contiguous [Dk, Dv] "
                          f"tiles, got {ssm_state.dtype} {tuple(ssm_state.shape)}")
@@ -71,7 +71,7 @@ def _recurrent_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr,
 def recurrent_gated_delta_rule(q, k, v, a, b, A_log, dt_bias, ssm_state, state_slots, eps=1e-6, block_v=None,
                                num_warps=None):
     """q, k [B, Hk, Dk], v [B, Hv, Dv] (strided views of the conv output), a, b [B, Hv] (views of the in-projection),
-    ssm_state [slots, Hv, Dk, Dv] (STATE_DTYPES) -> o [B, Hv, Dv] in v.dtype; each row's slot state advanced in
+    ssm_state [slots, Hv, Dk, Dv] (a dtype of TILES) -> o [B, Hv, Dv] in v.dtype; each row's slot state advanced in
     place. block_v / num_warps: the tile's value columns and the program's warps (default: TILES for the state's
     dtype; benchmarks/gdn_tile_bench.py sweeps them)."""
     B, Hk, Dk = q.shape

@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import torch
 
-from pagefleet.worker.core.config import EngineConfig
+from pagefleet.worker.core.config import MAMBA_SSM_DTYPES, EngineConfig
 from pagefleet.worker.executor.kv_cache import KVCache
 from pagefleet.worker.executor.memory import profile_peak_bytes, size_kv_cache
 from pagefleet.worker.executor.sampler import Sampler
@@ -133,7 +133,7 @@ def ssm_state_dtype(flag: str, checkpoint: str | None, model_dtype: torch.dtype)
         return getattr(torch, flag), "--mamba-ssm-cache-dtype"
     if checkpoint:
         name = checkpoint.removeprefix("torch.")
-        if name not in ("float32", "bfloat16", "float16"):
+        if name not in MAMBA_SSM_DTYPES[1:]:  # past "auto": the dtypes a state may be stored in
             raise ValueError(f"the checkpoint's mamba_ssm_dtype {checkpoint!r} is not float32, bfloat16 or float16")
         return getattr(torch, name), "the checkpoint's mamba_ssm_dtype"
     return model_dtype, "the model dtype: the checkpoint names no mamba_ssm_dtype"
