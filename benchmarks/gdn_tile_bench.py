@@ -67,7 +67,7 @@ def prefill_sweep() -> None:
     16,384-token batch of mixed lengths."""
     gen = torch.Generator(device=DEV).manual_seed(1)
     variants = [dict(zip(("state_bv", "state_warps", "prepare_warps"), c))
-                for c in itertools.product((16, 32, 64), (4, 8), (4, 8))][:2 if DRY else None]
+                for c in itertools.product((32, 64, 128), (2, 4, 8), (2, 4, 8))][:2 if DRY else None]
     default = {"state_bv": gdn_chunk.tiles(DK, DV)[1]["BV"], "state_warps": gdn_chunk.STATE_WARPS,
                "prepare_warps": gdn_chunk.PREPARE_WARPS}
     q, k, v, a, b, A_log, dt_bias, state, slots, cu = prefill_inputs([70, 1, 30] if DRY else [130, 64, 1, 300],
