@@ -7,7 +7,7 @@
 # Both servers: max_model_len 2048, GPU share 0.85, each engine's serving defaults for the GPU. vLLM gets the
 # Triton GDN prefill (no FlashInfer in the bundle) and no image or video inputs.
 set -uo pipefail
-eng=${1:?usage: hybrid_serve.sh {pagefleet|vllm} OUT_DIR [CHECKPOINT]}; out=${2:?OUT_DIR}; ck=${3:-/dev/shm/q36}
+eng=${1:?usage: hybrid_serve.sh pagefleet-or-vllm OUT_DIR [CHECKPOINT]}; out=${2:?OUT_DIR}; ck=${3:-/dev/shm/q36}
 port=8000; log=$out/hybrid-serve-$eng.log
 mkdir -p "$out"
 t0=$(date +%s.%N)
@@ -32,7 +32,7 @@ for c in 1 8 64; do
   timeout 300 python3 -m vllm.entrypoints.cli.main bench serve --backend vllm --base-url http://127.0.0.1:$port \
     --model q36 --tokenizer "$ck" --dataset-name random --random-input-len 564 --random-output-len 128 \
     --num-prompts $((c < 4 ? 16 : 4 * c)) --max-concurrency $c --ignore-eos --seed 5 2>&1 \
-    | grep -E "Successful|Output token throughput|Median TTFT|P99 TTFT|Median TPOT|rror" | head -8
+    | grep -E "Successful|Total input tokens|Output token throughput|Median TTFT|P99 TTFT|Median TPOT|rror" | head -9
 done
 kill $sp; wait $sp 2> /dev/null
 true
