@@ -7,7 +7,8 @@ workloads and print each figure beside the anchor's (../shared/ANCHORS.md).
                              on the same tokens; exits 1 when they differ by more than bf16 noise
   make DIR [--layers N]      the checkpoint of peer/qwen36_anchor.py's `make` (same config, seed, tokenizer)
   run DIR OUT                batch 1 (512/128), mixed 256 (seed 0) greedy and at temperature 1, GRPO rollouts
-                             (--grpo-prompts x n=16, 256/512, temperature 1, seeded); OUT/hybrid_bench.json
+                             (--grpo-prompts x n=16, 256/512, temperature 1, seeded), mixed 2048 (seed 1) greedy;
+                             OUT/hybrid_bench.json
   --tiny                     a tiny Qwen3.5 config on whatever device there is, workloads cut to a few tokens:
                              the code paths of all three, for tests/models/test_hybrid_bench.py
 
@@ -52,7 +53,7 @@ VISION_TINY = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, o
                    num_position_embeddings=64)
 
 # vLLM 0.26 on this checkpoint, same H200 kind, 2026-12-01 (ANCHORS.md); None: no anchor figure for that row
-VLLM = {"init_s": 231.0, "batch1": 63.6, "mixed256": 2647.5, "mixed256_t1": None, "grpo": None}
+VLLM = {"init_s": 231.0, "batch1": 63.6, "mixed256": 2647.5, "mixed256_t1": None, "grpo": None, "mixed2048": None}
 ANCHOR_LABEL = "vLLM anchor, same H200 kind, not side by side"
 COPY_BYTES_PER_S = 4.27e12  # H200 device-to-device copy (ANCHORS.md), its batch-1 floor: weight bytes / this
 
@@ -85,14 +86,16 @@ class Workloads:
     batch1: tuple = (512, 128)
     mixed: tuple = (256, 0, (64, 1024), (32, 512))  # requests, seed, input range, output range
     grpo: tuple = (256, 512, 16)  # prompt tokens, output tokens, n samples
+    mixed2048: tuple = (2048, 1, (64, 1024), (32, 512))  # ANCHORS.md's larger draw
     max_model_len: int = 2048
     token_range: tuple = (100, 240000)  # the anchor's prompt ids, rng.randint(100, 240000)
     check_lens: tuple = (300, 45, 700, 17, 129, 1, 512, 64)  # prompt lengths of the check
     check_chunk: int = 256  # the check's token budget: the long prompts prefill in chunks beside decodes
 
 
-TINY = Workloads(warm=(2, 8, 2), batch1=(16, 8), mixed=(8, 0, (4, 40), (2, 12)), grpo=(16, 8, 4), max_model_len=256,
-                 token_range=(100, 511), check_lens=(30, 5, 70, 2, 17, 1, 50, 9), check_chunk=16)
+TINY = Workloads(warm=(2, 8, 2), batch1=(16, 8), mixed=(8, 0, (4, 40), (2, 12)), grpo=(16, 8, 4),
+                 mixed2048=(16, 1, (4, 40), (2, 12)), max_model_len=256, token_range=(100, 511),
+                 check_lens=(30, 5, 70, 2, 17, 1, 50, 9), check_chunk=16)
 
 
 def log(msg: str) -> None:
@@ -430,6 +433,11 @@ def run(folder: str, out_dir: str, tiny: bool = False, grpo_prompts: int = 16, o
     p_len, o_len, n = w.grpo
     figure("grpo", f"GRPO {grpo_prompts} prompts x n={n}, {p_len}/{o_len}, temperature 1, seeded",
            lambda: go([(p_len, o_len)] * grpo_prompts, temperature=1.0, n=n, seeded=True))
+    n_big, seed, in_range, out_range = w.mixed2048
+    random.seed(seed)
+    big = [(random.randint(*in_range), random.randint(*out_range)) for _ in range(n_big)]
+    results["workloads_drawn"]["mixed2048"] = big
+    figure("mixed2048", f"mixed {n_big} (seed {seed}), greedy", lambda: go(big))
     table(results)
     return results
 
@@ -468,7 +476,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("dir")
     r.add_argument("out")
     r.add_argument("--grpo-prompts", type=int, default=16, help="GRPO prompts of n=16 samples (the issue's: 64)")
-    r.add_argument("--only", nargs="+", choices=["batch1", "mixed256", "mixed256_t1", "grpo"], default=None)
+    r.add_argument("--only", nargs="+", choices=["batch1", "mixed256", "mixed256_t1", "grpo", "mixed2048"],
+                   default=None)
     r.add_argument("--mamba-ssm-cache-dtype", default="auto", choices=MAMBA_SSM_DTYPES,
                    help="the recurrent state's storage (auto: the checkpoint's mamba_ssm_dtype, else bf16; vLLM's "
                         "rule, so both engines store the same)")

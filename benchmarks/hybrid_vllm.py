@@ -2,10 +2,11 @@
 
 Runs beside `hybrid_bench.py run DIR OUT --grpo-prompts P --only batch1 mixed256 grpo` on one GPU, in one run
 (`.peer/` set up as its README says, `source .peer/side_env.sh` first): engine start, batch 1 (512 / 128), mixed
-256 (seed 0) greedy, GRPO P prompts x n = 16, 256 / 512, temperature 1, seeded. vLLM's Triton GDN prefill path,
-as the bundle has no FlashInfer.
+256 (seed 0) greedy, GRPO P prompts x n = 16, 256 / 512, temperature 1, seeded, and with `mixed2048` mixed 2048
+(seed 1) greedy (`--only ... mixed2048` on our side). vLLM's Triton GDN prefill path, as the bundle has no
+FlashInfer.
 
-Usage: python3 benchmarks/hybrid_vllm.py DIR [P]   (prints RESULT lines, the last one JSON)
+Usage: python3 benchmarks/hybrid_vllm.py DIR [P] [mixed2048]   (prints RESULT lines, the last one JSON)
 """
 
 import json
@@ -14,7 +15,7 @@ import sys
 import time
 
 
-def main(folder: str, grpo_prompts: int) -> None:
+def main(folder: str, grpo_prompts: int, mixed2048: bool = False) -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -43,8 +44,12 @@ def main(folder: str, grpo_prompts: int) -> None:
     print("RESULT", out, flush=True)
     go([(64, 8)] * 2, temperature=1.0, n=2, seeded=True)
     out["grpo"] = go([(256, 512)] * grpo_prompts, temperature=1.0, n=16, seeded=True)
+    if mixed2048:
+        print("RESULT", out, flush=True)
+        random.seed(1)
+        out["mixed2048"] = go([(random.randint(64, 1024), random.randint(32, 512)) for _ in range(2048)])
     print("RESULT vllm_hybrid", json.dumps(out), flush=True)
 
 
 if __name__ == "__main__":  # vLLM may spawn its engine process, which imports this file again
-    main(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 64)
+    main(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 64, "mixed2048" in sys.argv[3:])

@@ -52,7 +52,7 @@ def test_make_check_and_run_on_a_tiny_config(tmp_path):
     done = bench("run", ckpt, out, "--grpo-prompts", 2, cwd=tmp_path)
     results = json.loads((out / "hybrid_bench.json").read_text())
     figures = results["figures"]
-    assert list(figures) == ["batch1", "mixed256", "mixed256_t1", "grpo"]
+    assert list(figures) == ["batch1", "mixed256", "mixed256_t1", "grpo", "mixed2048"]
     assert figures["batch1"]["output_tokens"] == 8
     assert figures["batch1"]["weights_bound_tok_per_s"] == pytest.approx(4.27e12 / results["engine"]["weight_bytes"],
                                                                           rel=1e-2)
@@ -60,6 +60,8 @@ def test_make_check_and_run_on_a_tiny_config(tmp_path):
         o for _, o in results["workloads_drawn"]["mixed"])
     assert figures["mixed256_t1"]["output_tokens"] == figures["mixed256"]["output_tokens"]
     assert figures["grpo"]["output_tokens"] == 2 * 4 * 8 and figures["grpo"]["n"] == 4
+    assert figures["mixed2048"]["requests"] == 16 and figures["mixed2048"]["output_tokens"] == sum(
+        o for _, o in results["workloads_drawn"]["mixed2048"])
     assert all(f["output_tok_per_s"] > 0 for f in figures.values())
     assert figures["batch1"]["vllm_anchor"] == 63.6 and figures["mixed256"]["vllm_anchor"] == 2647.5
     assert figures["grpo"]["vllm_anchor"] is None and figures["grpo"]["ratio"] is None
