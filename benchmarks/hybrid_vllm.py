@@ -1,12 +1,11 @@
 """vLLM on hybrid_bench.py's checkpoint and workloads, the same prompt stream, so the two print comparable rows.
 
-Runs beside `hybrid_bench.py run DIR OUT --grpo-prompts P --only batch1 mixed256 grpo` on one GPU, in one run
-(`.peer/` set up as its README says, `source .peer/side_env.sh` first): engine start, batch 1 (512 / 128), mixed
-256 (seed 0) greedy, GRPO P prompts x n = 16, 256 / 512, temperature 1, seeded, and with `mixed2048` mixed 2048
-(seed 1) greedy (`--only ... mixed2048` on our side). vLLM's Triton GDN prefill path, as the bundle has no
-FlashInfer.
+Runs beside `hybrid_bench.py run DIR OUT --grpo-prompts P --only ROWS` on one GPU, in one run (`.peer/` set up
+as its README says, `source .peer/side_env.sh` first): engine start, then the rows named, in this order: batch1
+(512 / 128), mixed256 (seed 0) greedy, grpo (P prompts x n = 16, 256 / 512, temperature 1, seeded), mixed2048
+(seed 1) greedy; without names the first three. vLLM's Triton GDN prefill path, as the bundle has no FlashInfer.
 
-Usage: python3 benchmarks/hybrid_vllm.py DIR [P] [mixed2048]   (prints RESULT lines, the last one JSON)
+Usage: python3 benchmarks/hybrid_vllm.py DIR [P] [ROW ...]   (prints RESULT lines, the last one JSON)
 """
 
 import json
@@ -15,7 +14,10 @@ import sys
 import time
 
 
-def main(folder: str, grpo_prompts: int, mixed2048: bool = False) -> None:
+ROWS = ("batch1", "mixed256", "grpo", "mixed2048")
+
+
+def main(folder: str, grpo_prompts: int, rows: tuple[str, ...] = ROWS[:3]) -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -36,20 +38,25 @@ def main(folder: str, grpo_prompts: int, mixed2048: bool = False) -> None:
         return round(sum(len(o.token_ids) for r in results for o in r.outputs) / (time.time() - t), 1)
 
     go([(64, 8)] * 4)
-    out["batch1"] = go([(512, 128)])
-    print("RESULT", out, flush=True)
-    random.seed(0)
-    mixed = [(random.randint(64, 1024), random.randint(32, 512)) for _ in range(256)]
-    out["mixed256"] = go(mixed)
-    print("RESULT", out, flush=True)
-    go([(64, 8)] * 2, temperature=1.0, n=2, seeded=True)
-    out["grpo"] = go([(256, 512)] * grpo_prompts, temperature=1.0, n=16, seeded=True)
-    if mixed2048:
+    if "batch1" in rows:
+        out["batch1"] = go([(512, 128)])
         print("RESULT", out, flush=True)
+    if "mixed256" in rows:
+        random.seed(0)
+        out["mixed256"] = go([(random.randint(64, 1024), random.randint(32, 512)) for _ in range(256)])
+        print("RESULT", out, flush=True)
+    if "grpo" in rows:
+        go([(64, 8)] * 2, temperature=1.0, n=2, seeded=True)
+        out["grpo"] = go([(256, 512)] * grpo_prompts, temperature=1.0, n=16, seeded=True)
+        print("RESULT", out, flush=True)
+    if "mixed2048" in rows:
         random.seed(1)
         out["mixed2048"] = go([(random.randint(64, 1024), random.randint(32, 512)) for _ in range(2048)])
     print("RESULT vllm_hybrid", json.dumps(out), flush=True)
 
 
 if __name__ == "__main__":  # vLLM may spawn its engine process, which imports this file again
-    main(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 64, "mixed2048" in sys.argv[3:])
+    bad = [r for r in sys.argv[3:] if r not in ROWS]
+    if len(sys.argv) < 2 or bad:
+        sys.exit(f"usage: hybrid_vllm.py DIR [P] [ROW ...]; rows: {' '.join(ROWS)}" + (f" (not {bad})" if bad else ""))
+    main(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 64, tuple(sys.argv[3:]) or ROWS[:3])
