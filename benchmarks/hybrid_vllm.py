@@ -13,7 +13,6 @@ import random
 import sys
 import time
 
-
 ROWS = ("batch1", "mixed256", "grpo", "mixed2048")
 
 
