@@ -13,14 +13,21 @@ from the outside. Phases per step (microseconds):
   sample-dev the rest of sampling: the sampling kernel (device time on a GPU) and the token copy
   resolve    EngineStep._resolve: tokens into sequences, finish rules, incremental detokenisation, hashing
   outputs    LLMEngine._outputs: RequestOutputs (offline: finished requests only)
-  host       the step less forward and sample-dev
+  wait       CUDA only: the host waiting for a step's tokens (PendingTokens.read's event); resolve (overlapped
+             steps) or sample-dev (synchronous ones) holds it too
+  host       the step less forward and sample-dev on the CPU; on CUDA the step less wait (forward and sampling
+             are launches there, host work)
   host, run  the host time of all the run's steps, ms: offline the text is built as each sequence ends, in a step
              the medians leave out
 Workloads: grpo (32 prompts x n=8 samples, 128 tokens, temperature 1, a seed per request) and greedy (256
-prompts, 128 tokens, temperature 0), both offline at 256 sequences at once; serve64 (64 prompts of ~800 tokens,
-128 tokens at temperature 0.7, seeded) with every step's outputs, as a server's engine makes them. Phases are
-medians over the steps that run at least 80 % of the workload's sequences.
+prompts, 128 tokens, temperature 0), both offline at 256 sequences at once; rollouts (examples/grpo.py's and
+rl_bench.py grpo's settings: grpo's shape with the sampled token's logprob, logprobs=0); serve64 (64 prompts of
+~800 tokens, 128 tokens at temperature 0.7, seeded) with every step's outputs, as a server's engine makes them.
+Phases are medians over the steps that run at least 80 % of the workload's sequences.
+--device cuda --model DIR measures one engine on the GPU instead (CUDA graphs, overlapped steps, the real
+uploads): whether a step is bound by the host (wait near 0) or by the device, and where the host's part goes.
 Usage: python3 benchmarks/host_step_bench.py [--compare REV] [--workloads grpo,greedy] [--repeats 2] [--rounds 2]
+       python3 benchmarks/host_step_bench.py --device cuda --model DIR [--workloads rollouts,greedy]
   --compare REV: the same run on REV's tree (git archive into /tmp) and on this one, side by side, and the ratio;
   with two cores the trees run at once, one per core, swapping cores each round (else they alternate), and the
   run with the least host time counts, as this machine's speed drifts by 20 % between minutes. The outputs'
@@ -43,7 +50,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 PHASES = ("schedule", "launch", "prepare", "run-other", "forward", "sample", "sample-dev", "resolve", "outputs",
-          "host", "step")
+          "wait", "host", "step")
 # package name -> folder, as pyproject.toml's package-dir maps them
 PACKAGE_DIRS = {"pagefleet": "pagefleet", "pagefleet.worker": "worker", "pagefleet.kernels": "kernels",
                 "pagefleet.operator": "operator", "pagefleet.gateway": "gateway"}
@@ -128,6 +135,10 @@ class PhaseTimer:
 
 def instrument(engine) -> PhaseTimer:
     timer = PhaseTimer()
+    if engine.runner.device.type == "cuda":  # the host idle until a step's tokens are there
+        import torch
+
+        timer.wrap(torch.cuda.Event, "synchronize", "wait")
     runner = engine.runner
     timer.wrap(engine.scheduler, "schedule", "schedule")
     timer.wrap(engine, "_launch", "launch")
@@ -154,16 +165,17 @@ def instrument(engine) -> PhaseTimer:
     return timer
 
 
-def phases(record: dict[str, float]) -> dict[str, float]:
-    """One step's exclusive phase times from the wrapped (nested) ones."""
+def phases(record: dict[str, float], cuda: bool = False) -> dict[str, float]:
+    """One step's exclusive phase times from the wrapped (nested) ones. cuda: forward and sampling are launches,
+    host work; the device's time shows as wait."""
     g = defaultdict(float, record)
     out = {
         "schedule": g["schedule"], "prepare": g["prepare"], "forward": g["forward"], "sample": g["sample"],
         "sample-dev": g["sample-all"] - g["sample"], "run-other": g["run"] - g["prepare"] - g["forward"],
         "launch": g["launch"] - g["run"] - g["sample-all"], "resolve": g["resolve"],
-        "outputs": g["outputs"], "step": g["step"],
+        "outputs": g["outputs"], "wait": g["wait"], "step": g["step"],
     }
-    out["host"] = out["step"] - out["forward"] - out["sample-dev"]
+    out["host"] = out["step"] - (out["wait"] if cuda else out["forward"] + out["sample-dev"])
     return out
 
 
@@ -175,16 +187,21 @@ def workload(name: str):
         params = [SamplingParams(n=8, temperature=1.0, max_tokens=128, seed=1000 + p, ignore_eos=True)
                   for p in range(32)]
         return prompts, params
+    if name == "rollouts":
+        prompts = [[(p * 131 + i * 7) % 8000 + 100 for i in range(32)] for p in range(32)]
+        params = [SamplingParams(n=8, temperature=1.0, max_tokens=128, seed=1000 + p, ignore_eos=True, logprobs=0)
+                  for p in range(32)]
+        return prompts, params
     if name == "greedy":
         prompts = [[(p * 37 + i * 11) % 8000 + 100 for i in range(24 + p % 9)] for p in range(256)]
         return prompts, [SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True)] * 256
     if name == "serve64":
         prompts = [[(p * 53 + i * 13) % 8000 + 100 for i in range(800 + p)] for p in range(64)]
         return prompts, [SamplingParams(temperature=0.7, max_tokens=128, seed=p, ignore_eos=True) for p in range(64)]
-    raise SystemExit(f"unknown workload {name!r}: grpo, greedy or serve64")
+    raise SystemExit(f"unknown workload {name!r}: grpo, rollouts, greedy or serve64")
 
 
-def measure(workloads: list[str], repeats: int) -> dict:
+def measure(workloads: list[str], repeats: int, device: str = "cpu", model: str | None = None) -> dict:
     """Per workload: the median microseconds per step of each phase over the steps running a full batch (the
     best of `repeats` runs by host time; medians, as this machine's speed wavers by 2x from one step to the next),
     the step count, and a digest of the outputs (equal across trees)."""
@@ -192,9 +209,13 @@ def measure(workloads: list[str], repeats: int) -> dict:
 
     from pagefleet.worker.engine.llm import LLM
 
-    folder = tiny_llama(Path(tempfile.gettempdir()) / "pagefleet-host-step-llama")
-    llm = LLM(str(folder), device="cpu", max_model_len=1024, max_num_seqs=256, max_num_batched_tokens=4096,
-              num_gpu_blocks_override=8192, cpu_threads=1)
+    cuda = device == "cuda"
+    if cuda:  # the example's engine (examples/grpo.py, rl_bench.py grpo) on a real model
+        llm = LLM(model, max_model_len=1024, gpu_memory_fraction=0.35, seed=0)
+    else:
+        folder = tiny_llama(Path(tempfile.gettempdir()) / "pagefleet-host-step-llama")
+        llm = LLM(str(folder), device="cpu", max_model_len=1024, max_num_seqs=256, max_num_batched_tokens=4096,
+                  num_gpu_blocks_override=8192, cpu_threads=1)
     timer = instrument(llm.engine)
     results = {}
     for name in workloads:
@@ -208,11 +229,11 @@ def measure(workloads: list[str], repeats: int) -> dict:
             outs = llm.generate(prompts, params)
             digest = hashlib.sha256(json.dumps([[(o.token_ids, o.text) for o in out.outputs] for out in outs])
                                     .encode()).hexdigest()[:16]
-            full = [phases(s) for s in timer.steps if s["running"] >= 0.8 * full_batch]
+            full = [phases(s, cuda) for s in timer.steps if s["running"] >= 0.8 * full_batch]
             med = {p: 1e6 * statistics.median(s[p] for s in full) for p in PHASES}
             log(f"{name} run {r + 1}/{repeats}: {len(timer.steps)} steps, {len(full)} at a full batch, "
                 f"host {med['host']:.0f} us/step, forward {med['forward']:.0f} us/step, outputs {digest}")
-            host_total = 1e3 * sum(phases(s)["host"] for s in timer.steps)  # the steps' medians hide the last one
+            host_total = 1e3 * sum(phases(s, cuda)["host"] for s in timer.steps)  # the steps' medians hide the last one
             if best is None or med["host"] < best["us"]["host"]:
                 best = {"us": med, "steps": len(timer.steps), "full_steps": len(full), "digest": digest,
                         "host_total_ms": host_total}
@@ -251,10 +272,18 @@ def main() -> int:
     ap.add_argument("--workloads", default="grpo,greedy")
     ap.add_argument("--repeats", type=int, default=2, help="runs of each workload per engine (the best counts)")
     ap.add_argument("--rounds", type=int, default=2, help="engines per tree, alternating between the trees")
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                    help="cuda: one engine on the GPU over --model (no --compare)")
+    ap.add_argument("--model", help="with --device cuda: the model folder (e.g. rl_bench.py grpo's 135M)")
     ap.add_argument("--tree", help=argparse.SUPPRESS)  # child: import pagefleet from this tree
     ap.add_argument("--json", help=argparse.SUPPRESS)  # child: write the results here
     args = ap.parse_args()
     workloads = args.workloads.split(",")
+    if args.device == "cuda":
+        if args.compare or not args.model:
+            ap.error("--device cuda takes --model DIR and no --compare")
+        print(table({"cuda": measure(workloads, args.repeats, "cuda", args.model)}, workloads))
+        return 0
     if args.tree:
         use_tree(Path(args.tree))
     if args.json:
