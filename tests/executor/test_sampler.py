@@ -165,6 +165,23 @@ def test_logprobs_are_the_model_logits_log_softmax():
         assert [v for _, v in lp.top] == pytest.approx(top.values.tolist(), abs=1e-5)
 
 
+def test_sampled_token_logprobs_alone_skip_the_top_lists():
+    """Rollouts ask only the sampled token's logprob (logprobs=0): each such row gets it with an empty top list,
+    a row without logprobs None, whatever their order."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(5, 40, generator=g)
+    asks = (0, None, 0, 0, None)
+    seqs = [seq(SamplingParams(temperature=1.0, seed=i, logprobs=n)) for i, n in enumerate(asks)]
+    tokens, logprobs = make_sampler().sample(logits, seqs)
+    ls = torch.log_softmax(logits, dim=-1)
+    for i, n in enumerate(asks):
+        if n is None:
+            assert logprobs[i] is None
+            continue
+        assert logprobs[i].token_id == tokens[i] and logprobs[i].top == []
+        assert logprobs[i].logprob == pytest.approx(ls[i, tokens[i]].item(), abs=1e-5)
+
+
 def test_a_seeded_row_draws_the_same_whatever_runs_beside_it():
     g = torch.Generator().manual_seed(2)
     row = torch.randn(1, 64, generator=g)

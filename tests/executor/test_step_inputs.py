@@ -7,7 +7,7 @@ import torch
 
 from pagefleet.worker import LLM, SamplingParams
 from pagefleet.worker.core.scheduler import ScheduledBatch, _decodes_first
-from pagefleet.worker.executor.step_inputs import upload_int32, upload_rows
+from pagefleet.worker.executor.step_inputs import feed_device_tokens, upload_int32, upload_rows
 
 
 def naive_prepare(batch, block_size):
@@ -70,6 +70,17 @@ def test_upload_rows_starts_every_row_16_byte_aligned(num_tokens):
     rows = upload_rows(tokens, torch.device("cpu"))
     assert rows.shape == (3, num_tokens) and rows.tolist() == tokens.tolist()
     assert all(rows[i].data_ptr() % 16 == 0 and rows[i].is_contiguous() for i in range(3))
+
+
+@pytest.mark.parametrize("rows", [[0, 1, 2, 3], [0, -1, 2, 3], [1, 0, 3, 2], [0, 1, 2], [2, -1, 0, -1, 1]])
+def test_fed_tokens_replace_exactly_the_rows_that_point_at_the_last_step(rows):
+    """Input id i becomes the last step's token rows[i] where rows[i] >= 0 and stays otherwise; the identity (the
+    steady decode step) takes its one-copy path to the same result."""
+    prev = torch.arange(70, 74)  # the last step's four sampled tokens
+    ids = torch.arange(10, 10 + len(rows))
+    want = torch.tensor([int(prev[r]) if r >= 0 else 10 + i for i, r in enumerate(rows)])
+    feed_device_tokens(ids, (np.asarray(rows, dtype=np.int64), prev))
+    assert ids.tolist() == want.tolist()
 
 
 def test_one_token_entries_lead_the_batch_in_order():

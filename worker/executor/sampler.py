@@ -69,7 +69,7 @@ def split_pays(rows: np.ndarray, greedy: np.ndarray) -> bool:
 @dataclass
 class Sampled:
     """One step's choice on the device: tokens int64 [R]; for the logprobs rows `lp_rows`, chosen [L] and top
-    values / ids [L, k] (k the most any row asked for; row i keeps its first `lp_counts[i]`)."""
+    values / ids [L, k] (k the most any row asked for, None when k is 0; row i keeps its first `lp_counts[i]`)."""
 
     tokens: torch.Tensor
     lp_rows: list[int]
@@ -96,6 +96,10 @@ class Sampled:
         if not self.lp_rows:
             return result
         chosen = self.chosen.tolist()
+        if not any(self.lp_counts):  # the sampled token's logprob alone (RL rollouts): no top lists to read
+            for i, logprob in zip(self.lp_rows, chosen, strict=True):
+                result[i] = TokenLogprobs(tokens[i], logprob, [])
+            return result
         top_values, top_ids = self.top_values.tolist(), self.top_ids.tolist()
         for j, (i, n) in enumerate(zip(self.lp_rows, self.lp_counts, strict=True)):
             result[i] = TokenLogprobs(tokens[i], chosen[j], list(zip(top_ids[j][:n], top_values[j][:n])))
@@ -219,12 +223,20 @@ class Sampler:
         """Log-softmax of the model's logits at the chosen and the top tokens, for the logprobs rows."""
         if not sampled.lp_rows:
             return sampled
-        rows_d = rows_d.long()
-        sel = logits.index_select(0, rows_d).float()
-        lse = torch.logsumexp(sel, dim=1, keepdim=True)
-        sampled.chosen = (sel.gather(1, sampled.tokens[rows_d, None]) - lse).squeeze(1)
-        top = sel.topk(max(sampled.lp_counts), dim=1)
-        sampled.top_values, sampled.top_ids = top.values - lse, top.indices
+        # Few launches: a small model's rollout step is bound by the host's launches (benchmarks/host_step_bench.py
+        # --device cuda: sampling is a third of a 1.5 ms step at 256 rows of 135M). When every row asks (GRPO
+        # rollouts) no rows are picked; one log-softmax in fp32 serves the chosen and the top values; logprobs=0
+        # rows need no top-k.
+        if len(sampled.lp_rows) == logits.shape[0]:
+            sel, tokens = logits, sampled.tokens
+        else:
+            rows_d = rows_d.long()
+            sel, tokens = logits.index_select(0, rows_d), sampled.tokens[rows_d]
+        logprobs = torch.log_softmax(sel, dim=1, dtype=torch.float32)
+        sampled.chosen = logprobs.gather(1, tokens[:, None]).squeeze(1)
+        k = max(sampled.lp_counts)
+        if k:
+            sampled.top_values, sampled.top_ids = logprobs.topk(k, dim=1)
         return sampled
 
     def warm_up(self, logits: torch.Tensor) -> None:
