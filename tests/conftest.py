@@ -50,6 +50,30 @@ def release_gpu_memory():
         sys.modules["torch"].cuda.empty_cache()
 
 
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+    """The tests that read an interpreter child (tests/interpreter.py) run last, so their children, started when
+    collection ends, have the whole run's idle CPU before anyone waits for them."""
+    items.sort(key=lambda item: item.get_closest_marker("interpreter") is not None)  # stable: order kept otherwise
+
+
+def pytest_collection_finish(session):
+    import interpreter
+
+    if not interpreter.available():
+        return
+    for item in session.items:
+        marker = item.get_closest_marker("interpreter")
+        if marker is not None:
+            interpreter.start(marker.args[0])
+
+
+def pytest_sessionfinish(session):
+    import interpreter
+
+    interpreter.stop_all()
+
+
 def pytest_terminal_summary(terminalreporter):
     """Skipped tests by reason, at the very end: a test that skips on a fresh machine (a missing tool, no GPU)
     shows here instead of passing unnoticed."""

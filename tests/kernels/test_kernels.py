@@ -6,16 +6,12 @@ at import), so the interpreter tests run in a child process: this process, and t
 it, keep an untouched environment and an ordinary Triton.
 """
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from interpreter import ROOT, run_under_interpreter
+import interpreter
 from pagefleet.kernels import reference as ref
 
 DTYPES = [torch.float32, torch.float16]
@@ -163,24 +159,24 @@ def test_arrival_counters_grow_and_keep_the_buffers_graphs_may_hold():
     assert any(b is small for b in arrivals._retired)
 
 
+@pytest.mark.interpreter("kernels")
 def test_triton_kernels_under_interpreter():
     """Every Triton kernel against its reference on tiny CPU shapes (fp32, fp16), in a child process."""
     pytest.importorskip("triton")
-    run_under_interpreter(Path(__file__).parent / "test_kernels_triton.py", timeout=300)
+    interpreter.check("kernels", timeout=840)
 
 
+@pytest.mark.interpreter("gdn")
 def test_gdn_triton_kernels_under_interpreter():
     """The Gated DeltaNet kernels (conv, recurrent step, chunked rule) against gdn_reference, in a child process."""
     pytest.importorskip("triton")
-    run_under_interpreter(Path(__file__).parent / "test_gdn_triton.py", timeout=300)
+    interpreter.check("gdn", timeout=840)
 
 
+@pytest.mark.interpreter("gdn_tile_bench")
 def test_gdn_tile_bench_runs_under_interpreter():
     """benchmarks/gdn_tile_bench.py end to end on tiny shapes (--dry-run): every variant it would time on the GPU
     is checked against the reference first, decode tiles and chunked-rule launches alike."""
     pytest.importorskip("triton")
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gdn_tile_bench.py"), "--dry-run", "--prefill"],
-                          env=dict(os.environ, TRITON_INTERPRET="1"), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert proc.stdout.count("every variant matches the reference") == 2, proc.stdout[-3000:]
-    assert "2 of 2 variants launch and match" in proc.stdout, proc.stdout[-3000:]
+    stdout = interpreter.check("gdn_tile_bench", timeout=840)
+    assert stdout.count("every variant matches the reference") == 2, stdout[-3000:]

@@ -3,13 +3,12 @@ ties, the counter-based noise; the Triton kernel compiled for Hopper, and agains
 Triton interpreter (test_sampling_triton.py, run from here in a child process, as test_kernels.py does)."""
 
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from interpreter import run_under_interpreter
+import interpreter
 from pagefleet.kernels import reference as ref
 
 
@@ -192,7 +191,8 @@ def test_split_kernels_compile_for_hopper_without_fma(dtype):
         assert compiled.asm["cubin"] and "fma.rn.f32" not in ptx and "ld.local" not in ptx, (fn, constexprs)
 
 
+@pytest.mark.interpreter("sampling")
 def test_triton_sampling_under_interpreter():
     """The Triton kernel against reference.sample on tiny CPU shapes, in a child process."""
     pytest.importorskip("triton")
-    run_under_interpreter(Path(__file__).parent / "test_sampling_triton.py", timeout=900)
+    interpreter.check("sampling", timeout=840)
