@@ -1,7 +1,6 @@
 """The prefix index (gateway/prefix.py) and the prompt keys (gateway/prefix_keys.py): pure, no servers."""
 
 import random
-from pathlib import Path
 
 import pytest
 
@@ -11,8 +10,6 @@ from pagefleet.gateway.prefix_keys import CHARS_PER_TOKEN, TextKeys, TokenKeys, 
 from pagefleet.gateway.probe import Prober
 from pagefleet.gateway.routing import RoutingPolicy, WorkerLoad
 from pagefleet.gateway.strategy import QueueDepthStrategy, is_chat
-
-MODEL_DIR = Path.home() / ".cache" / "pagefleet" / "models" / "SmolLM2-135M-Instruct"
 
 
 def turn(n: int) -> list[dict]:
@@ -93,12 +90,11 @@ def test_the_proxy_url_says_chat_or_text_completion():
     assert is_chat({}) and is_chat(None)
 
 
-@pytest.mark.skipif(not (MODEL_DIR / "tokenizer.json").is_file(), reason="bundled model not converted yet")
-def test_token_keys_cut_prompts_where_the_worker_does():
+def test_token_keys_cut_prompts_where_the_worker_does(smollm2_path):
     from transformers import AutoTokenizer
 
-    keys = TokenKeys(MODEL_DIR)
-    reference = AutoTokenizer.from_pretrained(MODEL_DIR)
+    keys = TokenKeys(smollm2_path)
+    reference = AutoTokenizer.from_pretrained(smollm2_path)
     for messages in (turn(1), turn(3), turn(1)[1:]):  # the last one: the template's own system prompt
         text = reference.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         assert keys.encode(messages) == reference.encode(text, add_special_tokens=False)

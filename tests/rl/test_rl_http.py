@@ -23,17 +23,6 @@ ROUTES = [("POST", "/update_weights_from_disk"), ("POST", "/init_weights_update_
           ("GET", "/is_sleeping")]
 
 
-def _engine_has(*names: str) -> bool:
-    from pagefleet.worker.engine.llm_engine import LLMEngine
-
-    return all(hasattr(LLMEngine, n) for n in names)
-
-
-needs_updates = pytest.mark.skipif(not _engine_has("update_weights_from_disk", "pause", "resume"),
-                                   reason="LLMEngine has no weight updates / pause yet")
-needs_sleep = pytest.mark.skipif(not _engine_has("sleep", "wake_up"), reason="LLMEngine has no sleep / wake_up yet")
-
-
 @pytest.fixture(scope="module")
 def new_checkpoint(tmp_path_factory, smollm2_path):
     """The bundled checkpoint with every weight matrix nudged by seeded noise: other greedy outputs."""
@@ -53,9 +42,7 @@ def new_checkpoint(tmp_path_factory, smollm2_path):
 
 @pytest.fixture(scope="module")
 def rl(tmp_path_factory):
-    flags = ["--max-model-len", "256", "--max-num-seqs", "16", "--enable-rl-endpoints"]
-    if _engine_has("sleep"):
-        flags.append("--enable-sleep-mode")
+    flags = ["--max-model-len", "256", "--max-num-seqs", "16", "--enable-rl-endpoints", "--enable-sleep-mode"]
     s = Server(tmp_path_factory.mktemp("rl") / "server.log", *flags)
     yield s
     s.stop()
@@ -133,7 +120,6 @@ def test_bad_bodies_are_400(rl):
     assert httpx.get(rl.url + "/is_sleeping", headers=AUTH).json() == {"is_sleeping": False}
 
 
-@needs_updates
 def test_update_from_disk_equals_a_fresh_server(rl, plain, new_checkpoint):
     before = greedy_text(rl)
     version = rl.load()["weight_version"]
@@ -178,7 +164,6 @@ async def _stream_first_token(client: httpx.AsyncClient, url: str, max_tokens: i
     return asyncio.create_task(rest()), first
 
 
-@needs_updates
 async def test_pause_modes_over_http(rl):
     async with httpx.AsyncClient() as client:
         # abort: the in-flight request ends now with finish reason abort; a new one waits for resume
@@ -219,7 +204,6 @@ async def test_pause_modes_over_http(rl):
         assert (await client.post(rl.url + "/resume", headers=AUTH)).status_code == 200
 
 
-@needs_sleep
 def test_sleep_then_wake(rl):
     want = greedy_text(rl)["choices"][0]["text"]
     r = post(rl, "/sleep", params={"level": 1})
