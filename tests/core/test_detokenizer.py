@@ -82,3 +82,75 @@ def test_a_run_of_skipped_special_tokens_is_not_decoded(tokenizer, skip):
         assert sorted(lengths)[-4] < 20
     else:
         assert max(lengths) < 20
+
+
+def windows_only(decoder):
+    """The same decoder without its Rust stream: the windows' rule in Python."""
+    return type(decoder)(decoder.decode, decoder.skipped)
+
+
+def random_stream(rng, vocab, specials, prompt_len, out_len):
+    """Random ids, as a random-weight model draws them: stray byte tokens (ids < 200 hold SmolLM2's bytes) split
+    and break characters; special tokens among them."""
+    def draw():
+        r = rng.random()
+        return rng.choice(specials) if r < 0.05 else rng.randrange(200) if r < 0.35 else rng.randrange(vocab)
+    return [rng.randrange(vocab) for _ in range(prompt_len)], [draw() for _ in range(out_len)]
+
+
+def test_the_stream_gives_the_windows_text_token_by_token_and_late(tokenizer):
+    """The Rust DecodeStream against the windows' rule on 300 random streams, after each token and in one call at
+    the end; each starts at the first output token, or stays with the windows where the prompt's tail ends inside
+    a character."""
+    import random
+
+    decoder = text_decoder(tokenizer)
+    assert decoder.backend is not None  # SmolLM2's fast tokenizer, no space clean-up
+    rng = random.Random(7)
+    specials = sorted(tokenizer.all_special_ids)
+    kinds = set()
+    for trial in range(300):
+        skip = trial % 2 == 0
+        prompt, out = random_stream(rng, len(tokenizer), specials, rng.randrange(1, 24), rng.randrange(1, 48))
+        params = SamplingParams(skip_special_tokens=skip)
+        texts = []
+        for d in (decoder, windows_only(decoder)):
+            eager = Sequence("r", 0, list(prompt), len(prompt), params, None)
+            for token in out:
+                eager.token_ids.append(token)
+                update_text(d, eager)
+            late = Sequence("r", 0, prompt + out, len(prompt), params, None)
+            assert update_text(d, late) == late.text == eager.text
+            texts.append(eager.text)
+            if d is decoder:
+                kinds.add(type(eager.decode_stream).__name__)
+        assert texts[0] == texts[1], (prompt, out, skip)
+    assert kinds == {"DecodeStream", "bool"}  # both ways were taken
+
+
+def test_a_stream_that_fails_goes_on_with_the_windows(tokenizer):
+    decoder = text_decoder(tokenizer)
+    ids = tokenizer.encode(TEXT, add_special_tokens=False)
+    want = Sequence("r", 0, list(ids), 3, SamplingParams(), None)
+    update_text(windows_only(decoder), want)
+
+    class Breaks:
+        def __init__(self):
+            self.inner, self.steps = None, 0
+
+        def step(self, backend, token):
+            self.steps += 1
+            if self.steps == 6:
+                raise Exception("Invalid prefix encountered")
+            return self.inner.step(backend, token)
+
+    seq = Sequence("r", 0, list(ids[:3]), 3, SamplingParams(), None)
+    seq.token_ids.append(ids[3])
+    update_text(decoder, seq)  # the stream starts
+    breaks = Breaks()
+    breaks.inner, seq.decode_stream = seq.decode_stream, breaks
+    for token in ids[4:]:
+        seq.token_ids.append(token)
+        update_text(decoder, seq)
+    assert seq.decode_stream is False and breaks.steps == 6
+    assert seq.text == want.text  # plain words: the windows restart on a character boundary

@@ -50,6 +50,7 @@ class Sequence:
     prefix_offset: int = 0
     read_offset: int = 0
     num_detokenized: int = 0  # tokens whose text step has run (detokenizer.update_text)
+    decode_stream: object | None = None  # its tokenizers DecodeStream once text starts; False: the windows' rule
 
     def __post_init__(self) -> None:
         if self.params.logprobs is not None and self.logprobs is None:
