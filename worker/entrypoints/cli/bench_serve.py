@@ -59,27 +59,54 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
            "concurrency as JSON here; the two line up when client and server share a machine (time.perf_counter)")
     a("--write-word-tokenizer", metavar="MODEL_DIR", default=None,
       help="write a word-level tokenizer over MODEL_DIR's vocabulary (from its config.json) and exit")
+    a("--json-chars", action="store_true",
+      help="with --write-word-tokenizer: the top 95 ids are the printable ASCII characters, so a grammar can "
+           "spell JSON (prompts then need --vocab-high of at most the vocabulary size - 95)")
 
 
-def write_word_tokenizer(model_dir: str) -> int:
-    """tokenizer.json with the words t0 ... t{V-1}; a prompt of N such words is N tokens."""
+JSON_CHARS = [chr(c) for c in range(32, 127)]  # printable ASCII: every character a JSON document needs
+
+
+def write_word_tokenizer(model_dir: str, json_chars: bool = False) -> int:
+    """tokenizer.json with the words t0 ... t{V-1}; a prompt of N such words is N tokens.
+
+    json_chars: the top 95 ids become the printable ASCII characters instead and tokens decode side by side
+    (no space between), so a grammar can spell any JSON document (structured-output benchmarks on random
+    weights; prompts then draw words below V - 95, `bench serve --vocab-high`); the config's eos_token_id is
+    the end-of-sequence special token, which a grammar needs to end on and the text leaves out."""
     import os
 
-    from tokenizers import Tokenizer, models, pre_tokenizers
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
     with open(os.path.join(model_dir, "config.json")) as f:
-        vocab_size = json.load(f)["vocab_size"]
-    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+        config = json.load(f)
+    vocab_size = config["vocab_size"]
+    vocab = {f"t{i}": i for i in range(vocab_size)}
+    extra = {}
+    if json_chars:
+        first = vocab_size - len(JSON_CHARS)
+        vocab = {f"t{i}": i for i in range(first)} | {c: first + j for j, c in enumerate(JSON_CHARS)}
+        eos = config.get("eos_token_id")
+        eos = eos[0] if isinstance(eos, list) else eos
+        if eos is None or not 0 < eos < first:
+            raise ValueError(f"{model_dir}: eos_token_id {eos} must be a word below {first} for json_chars")
+        extra = {"eos_token": f"t{eos}"}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    if json_chars:
+        tok.decoder = decoders.Fuse()  # '{', '"', 'a', ... decode as '{"a'
+        tok.add_special_tokens([AddedToken(extra["eos_token"], special=True)])
     tok.save(os.path.join(model_dir, "tokenizer.json"))
-    # No special tokens: nothing is added to a prompt, and with ignore_eos none are needed.
+    # No special tokens otherwise: nothing is added to a prompt, and with ignore_eos none are needed.
     with open(os.path.join(model_dir, "tokenizer_config.json"), "w") as f:
         json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 1 << 30,
-                   "unk_token": "t0", "clean_up_tokenization_spaces": False}, f, indent=1)
+                   "unk_token": "t0", "clean_up_tokenization_spaces": False, **extra}, f, indent=1)
     for stale in ("vocab.json", "merges.txt", "special_tokens_map.json", "tokenizer.model"):
         if os.path.exists(os.path.join(model_dir, stale)):
             os.remove(os.path.join(model_dir, stale))
-    print(f"wrote a word-level tokenizer of {vocab_size} words to {model_dir}")
+    kind = f"{vocab_size - len(JSON_CHARS)} words and {len(JSON_CHARS)} characters" if json_chars else \
+        f"{vocab_size} words"
+    print(f"wrote a word-level tokenizer of {kind} to {model_dir}")
     return 0
 
 
@@ -305,7 +332,7 @@ def format_table(rows: list[dict]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     if args.write_word_tokenizer:
-        return write_word_tokenizer(args.write_word_tokenizer)
+        return write_word_tokenizer(args.write_word_tokenizer, args.json_chars)
     for flag, path in (("--json-out", args.json_out), ("--trace-out", args.trace_out)):
         folder = os.path.dirname(os.path.abspath(path)) if path else None
         if folder and not (os.path.isdir(folder) and os.access(folder, os.W_OK)):

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Structured outputs under load: one engine's server on an 8B-shape checkpoint whose word-level tokenizer also
+# spells JSON (`pagefleet bench serve --write-word-tokenizer DIR --json-chars`: the top 95 ids are the printable
+# ASCII characters), then `pagefleet bench serve` at concurrency 64, unconstrained and with
+# benchmarks/structured_schema.json on every request (response_format json_schema; outputs validated). The same
+# client and checkpoint for both engines, one after the other on one GPU (.peer/ set up as its README says):
+#   source .peer/side_env.sh && bash benchmarks/structured_serve.sh {pagefleet|vllm} OUT_DIR [DIR (/root/llama8b)]
+# Random weights under a grammar: strings run to their maxLength and the document closes after ~190 tokens, one
+# character a token outside the strings (tests/entrypoints/test_structured_bench.py, a tiny random model), so
+# max_tokens is 384 and an output cut there counts as cut off. Prompts are 564 words below the characters' ids.
+set -uo pipefail
+eng=${1:?usage: structured_serve.sh pagefleet-or-vllm OUT_DIR [CHECKPOINT]}; out=${2:?OUT_DIR}; ck=${3:-/root/llama8b}
+port=8000; log=$out/structured-serve-$eng.log; schema=$(dirname "$0")/structured_schema.json
+mkdir -p "$out"
+vocab=$(python3 -c "import json; print(json.load(open('$ck/config.json'))['vocab_size'])")
+python3 -c "from transformers import AutoTokenizer; import sys; t = AutoTokenizer.from_pretrained('$ck'); \
+sys.exit(0 if t.convert_tokens_to_ids('{') == $vocab - 95 + 91 else 1)" \
+  || python3 -m pagefleet bench serve --write-word-tokenizer "$ck" --json-chars
+if [ "$eng" = vllm ]; then
+  python3 -m vllm.entrypoints.cli.main serve "$ck" --served-model-name m --port $port --host 127.0.0.1 \
+    --max-model-len 2048 --gpu-memory-utilization 0.85 > "$log" 2>&1 &
+else
+  python3 -m pagefleet serve --model "$ck" --served-model-name m --port $port --host 127.0.0.1 \
+    --max-model-len 2048 --gpu-memory-fraction 0.85 --disable-access-log > "$log" 2>&1 &
+fi
+sp=$!
+for _ in $(seq 1 900); do
+  curl -sf http://127.0.0.1:$port/v1/models > /dev/null && break
+  kill -0 $sp 2> /dev/null || { tail -40 "$log"; exit 1; }
+  sleep 0.5
+done
+common=(--base-url http://127.0.0.1:$port --model m --input-len 564 --concurrency 64 --num-requests 256
+        --vocab-high $((vocab - 95)) --temperature 1.0)
+echo "-- $eng, concurrency 64, unconstrained, 564 / 128, ignore_eos"
+timeout 400 python3 -m pagefleet bench serve "${common[@]}" --output-len 128 --json-out "$out/$eng-free.json" \
+  2>&1 | tail -3
+echo "-- $eng, concurrency 64, json_schema on every request, max_tokens 384"
+timeout 400 python3 -m pagefleet bench serve "${common[@]}" --output-len 384 --json-schema "$schema" \
+  --json-out "$out/$eng-schema.json" 2>&1 | tail -3
+kill $sp; wait $sp 2> /dev/null
+true
