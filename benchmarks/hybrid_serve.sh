@@ -10,29 +10,23 @@ set -uo pipefail
 eng=${1:?usage: hybrid_serve.sh pagefleet-or-vllm OUT_DIR [CHECKPOINT]}; out=${2:?OUT_DIR}; ck=${3:-/dev/shm/q36}
 port=8000; log=$out/hybrid-serve-$eng.log
 mkdir -p "$out"
+source "$(dirname "$0")/serve_common.sh"
 t0=$(date +%s.%N)
 if [ "$eng" = vllm ]; then
-  python3 -m vllm.entrypoints.cli.main serve "$ck" --served-model-name q36 --port $port --host 127.0.0.1 \
-    --max-model-len 2048 --gpu-memory-utilization 0.85 --limit-mm-per-prompt '{"image": 0, "video": 0}' \
-    --additional-config '{"gdn_prefill_backend": "triton"}' > "$log" 2>&1 &
+  start_server vllm "$ck" $port "$log" --limit-mm-per-prompt '{"image": 0, "video": 0}' \
+    --additional-config '{"gdn_prefill_backend": "triton"}'
 else
-  python3 -m pagefleet serve --model "$ck" --served-model-name q36 --port $port --host 127.0.0.1 \
-    --max-model-len 2048 --gpu-memory-fraction 0.85 --disable-access-log > "$log" 2>&1 &
+  start_server pagefleet "$ck" $port "$log"
 fi
-sp=$!
-for _ in $(seq 1 900); do
-  curl -sf http://127.0.0.1:$port/v1/models > /dev/null && break
-  kill -0 $sp 2> /dev/null || { tail -40 "$log"; exit 1; }
-  sleep 0.5
-done
+wait_ready $port "$log"
 echo "READY $eng $(python3 -c "print(round($(date +%s.%N) - $t0, 1))") s"
-timeout 400 python3 .peer/serve_bench.py http://127.0.0.1:$port q36 1,8,64 2>&1 | tail -4
+timeout 400 python3 .peer/serve_bench.py http://127.0.0.1:$port m 1,8,64 2>&1 | tail -4
 for c in 1 8 64; do
   echo "-- vllm bench serve, server-default sampling, concurrency $c"
   timeout 300 python3 -m vllm.entrypoints.cli.main bench serve --backend vllm --base-url http://127.0.0.1:$port \
-    --model q36 --tokenizer "$ck" --dataset-name random --random-input-len 564 --random-output-len 128 \
+    --model m --tokenizer "$ck" --dataset-name random --random-input-len 564 --random-output-len 128 \
     --num-prompts $((c < 4 ? 16 : 4 * c)) --max-concurrency $c --ignore-eos --seed 5 2>&1 \
     | grep -E "Successful|Total input tokens|Output token throughput|Median TTFT|P99 TTFT|Median TPOT|rror" | head -9
 done
-kill $sp; wait $sp 2> /dev/null
+kill $SERVER_PID; wait $SERVER_PID 2> /dev/null
 true

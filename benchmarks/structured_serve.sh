@@ -16,19 +16,9 @@ vocab=$(python3 -c "import json; print(json.load(open('$ck/config.json'))['vocab
 python3 -c "from transformers import AutoTokenizer; import sys; t = AutoTokenizer.from_pretrained('$ck'); \
 sys.exit(0 if t.convert_tokens_to_ids('{') == $vocab - 95 + 91 else 1)" \
   || python3 -m pagefleet bench serve --write-word-tokenizer "$ck" --json-chars
-if [ "$eng" = vllm ]; then
-  python3 -m vllm.entrypoints.cli.main serve "$ck" --served-model-name m --port $port --host 127.0.0.1 \
-    --max-model-len 2048 --gpu-memory-utilization 0.85 > "$log" 2>&1 &
-else
-  python3 -m pagefleet serve --model "$ck" --served-model-name m --port $port --host 127.0.0.1 \
-    --max-model-len 2048 --gpu-memory-fraction 0.85 --disable-access-log > "$log" 2>&1 &
-fi
-sp=$!
-for _ in $(seq 1 900); do
-  curl -sf http://127.0.0.1:$port/v1/models > /dev/null && break
-  kill -0 $sp 2> /dev/null || { tail -40 "$log"; exit 1; }
-  sleep 0.5
-done
+source "$(dirname "$0")/serve_common.sh"
+start_server "$eng" "$ck" $port "$log"
+wait_ready $port "$log"
 common=(--base-url http://127.0.0.1:$port --model m --input-len 564 --concurrency 64 --num-requests 256
         --vocab-high $((vocab - 95)) --temperature 1.0)
 echo "-- $eng, concurrency 64, unconstrained, 564 / 128, ignore_eos"
@@ -37,5 +27,5 @@ timeout 400 python3 -m pagefleet bench serve "${common[@]}" --output-len 128 --j
 echo "-- $eng, concurrency 64, json_schema on every request, max_tokens 384"
 timeout 400 python3 -m pagefleet bench serve "${common[@]}" --output-len 384 --json-schema "$schema" \
   --json-out "$out/$eng-schema.json" 2>&1 | tail -3
-kill $sp; wait $sp 2> /dev/null
+kill $SERVER_PID; wait $SERVER_PID 2> /dev/null
 true
