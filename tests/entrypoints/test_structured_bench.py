@@ -49,6 +49,18 @@ def test_an_eos_among_the_characters_is_refused(tmp_path):
         write_word_tokenizer(str(tmp_path), json_chars=True)
 
 
+def test_bad_tokenizer_requests_get_a_clear_error(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": VOCAB, "eos_token_id": VOCAB - 1}))
+    for argv, message in ((["--json-chars"], "--json-chars goes with --write-word-tokenizer"),
+                          (["--write-word-tokenizer", str(tmp_path), "--json-chars"], "eos_token_id 511"),
+                          (["--write-word-tokenizer", str(tmp_path / "missing")], "No such file")):
+        done = subprocess.run([sys.executable, "-m", "pagefleet", "bench", "serve", *argv], capture_output=True,
+                              text=True, cwd=tmp_path, timeout=120)
+        assert done.returncode == 2 and message in done.stderr, (argv, done.stderr[-2000:])
+        assert "Traceback" not in done.stderr
+    assert not (tmp_path / "tokenizer.json").exists()  # nothing written for a refused request
+
+
 def test_bench_serve_validates_the_benchmark_schema_on_random_weights(json_words_model, tmp_path):
     server = Server(tmp_path / "server.log", "--model", str(json_words_model), "--max-model-len", "1024")
     try:

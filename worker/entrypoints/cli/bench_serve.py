@@ -81,11 +81,10 @@ def write_word_tokenizer(model_dir: str, json_chars: bool = False) -> int:
     with open(os.path.join(model_dir, "config.json")) as f:
         config = json.load(f)
     vocab_size = config["vocab_size"]
-    vocab = {f"t{i}": i for i in range(vocab_size)}
+    first = vocab_size - len(JSON_CHARS) if json_chars else vocab_size  # the first id past the words
+    vocab = {f"t{i}": i for i in range(first)} | {c: first + j for j, c in enumerate(JSON_CHARS) if json_chars}
     extra = {}
     if json_chars:
-        first = vocab_size - len(JSON_CHARS)
-        vocab = {f"t{i}": i for i in range(first)} | {c: first + j for j, c in enumerate(JSON_CHARS)}
         eos = config.get("eos_token_id")
         eos = eos[0] if isinstance(eos, list) else eos
         if eos is None or not 0 < eos < first:
@@ -331,8 +330,15 @@ def format_table(rows: list[dict]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.json_chars and not args.write_word_tokenizer:
+        print("pagefleet bench serve: --json-chars goes with --write-word-tokenizer MODEL_DIR", file=sys.stderr)
+        return 2
     if args.write_word_tokenizer:
-        return write_word_tokenizer(args.write_word_tokenizer, args.json_chars)
+        try:
+            return write_word_tokenizer(args.write_word_tokenizer, args.json_chars)
+        except (OSError, KeyError, ValueError) as e:
+            print(f"pagefleet bench serve: --write-word-tokenizer: {e}", file=sys.stderr)
+            return 2
     for flag, path in (("--json-out", args.json_out), ("--trace-out", args.trace_out)):
         folder = os.path.dirname(os.path.abspath(path)) if path else None
         if folder and not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
