@@ -48,6 +48,9 @@ MASTER_KEY = "sk-pagefleet-prefix"
 KV_BLOCKS = 128  # the arithmetic above
 READY_TIMEOUT = 600  # workers load the bundled model on a small shared CPU
 GATEWAYS = tuple(os.environ.get("PAGEFLEET_PREFIX_GATEWAYS", "queue-depth,prefix-text").split(","))
+if not set(GATEWAYS) <= {"queue-depth", "prefix-text", "prefix-tokens"} or "queue-depth" not in GATEWAYS:
+    raise ValueError(f"PAGEFLEET_PREFIX_GATEWAYS={','.join(GATEWAYS)}: name queue-depth and any of prefix-text, "
+                     "prefix-tokens")
 
 
 def _gateway_workers(url: str) -> set[str]:
@@ -121,7 +124,6 @@ def test_prefix_aware_routing_raises_the_hit_rate_within_the_share_bound(fleet):
     print("\n" + bench.report(phases))
     by_name = {p.name: p for p in phases}
     base = by_name["queue-depth"]
-    assert set(GATEWAYS) <= {"queue-depth", "prefix-text", "prefix-tokens"} and "queue-depth" in GATEWAYS, GATEWAYS
     for name in (g for g in GATEWAYS if g != "queue-depth"):
         ours = by_name[name]
         # Multi-turn: affinity reaches the ceiling of every turn finding the turn before (about 0.71); queue-depth

@@ -85,7 +85,7 @@ def _stream(decoder: TextDecoder, seq: Sequence, ids: list[int], end: int) -> st
             return ""
         try:
             piece = stream.step(backend, token)
-        except Exception:  # noqa: BLE001 - as below
+        except Exception:  # as below
             return _windows_from(decoder, seq, k, end, "")
         seq.num_detokenized = end
         if piece:
@@ -99,7 +99,7 @@ def _stream(decoder: TextDecoder, seq: Sequence, ids: list[int], end: int) -> st
             continue  # decodes to nothing (TextDecoder.skipped)
         try:
             piece = stream.step(backend, token)
-        except Exception:  # noqa: BLE001 - the new window's text does not extend the last one's (invalid UTF-8)
+        except Exception:  # the new window's text does not extend the last one's (invalid UTF-8)
             return _windows_from(decoder, seq, k, end, "".join(pieces))
         if piece:
             pieces.append(piece)
