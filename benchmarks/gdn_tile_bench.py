@@ -3,16 +3,16 @@
 A decode step reads and writes every running sequence's [48, 128, 128] state in each of the 48 DeltaNet layers:
 at 256 sequences in bf16 that is 0.8 GB a layer, and the rule is 40 % of the 27B decode step
 (`step_breakdown.py /dev/shm/q36 --mixed-draw 0 --profile 10`: 16.9 of ~42 ms at <= 256 rows, 2.2 TB/s).
-This times kernels/gdn_recurrent.py per (value columns a program, warps, state rows a slice) for bf16 and fp32
-states at batch 64, 256 and 376, checks each variant against gdn_reference, and prints µs a layer and the state
-bandwidth. Rows a slice below Dk (128) run the two-pass streaming kernel; 128 is the one-tile kernel.
+This times kernels/gdn_recurrent.py per (value columns a program, warps) for bf16 and fp32 states at batch 64,
+256 and 376, checks each variant against gdn_reference, and prints µs a layer and the state bandwidth. A two-pass
+kernel over state slices lost this sweep on an H100 (fp32 state, batch 256: 729.2 µs a layer, 2.21 TB/s, at its best
+against the one-tile kernel's 572.8 µs, 2.81 TB/s) and lives in git history at commit 83c8c07.
 
 The chunked rule (kernels/gdn_chunk.py) is ~25 % of a 27B prompt step's device time beside the GEMMs' ~70 %
 (the same profile, 16,384-token steps). `--prefill` times its launch settings on a 16,384-token batch of the
 mixed draw's lengths (64..1024), each checked against the reference first.
 
-Usage: python3 benchmarks/gdn_tile_bench.py [--batches 64 256 376] [--bv 8 16 32 64] [--warps 1 2 4 8]
-                                           [--bk 128 32 16] [--prefill]
+Usage: python3 benchmarks/gdn_tile_bench.py [--batches 64 256 376] [--bv 8 16 32 64] [--warps 1 2 4 8] [--prefill]
 """
 
 from __future__ import annotations
@@ -113,8 +113,6 @@ def main() -> None:
     p.add_argument("--batches", type=int, nargs="+", default=[64, 256, 376])
     p.add_argument("--bv", type=int, nargs="+", default=[8, 16, 32, 64])
     p.add_argument("--warps", type=int, nargs="+", default=[1, 2, 4, 8])
-    p.add_argument("--bk", type=int, nargs="+", default=[128, 32, 16],
-                   help="state rows a slice: below Dk the streaming kernel (gdn_recurrent._recurrent_stream_kernel)")
     p.add_argument("--prefill", action="store_true", help="then sweep the chunked rule's launch settings")
     p.add_argument("--dry-run", action="store_true", help="CPU under TRITON_INTERPRET=1: tiny batches, one call each")
     a = p.parse_args()
@@ -122,7 +120,6 @@ def main() -> None:
         global PREFILL_TOKENS, DRY, HK, HV, DK, DV  # the interpreter takes minutes a launch at the real shape
         PREFILL_TOKENS, DRY, a.batches, a.bv, a.warps = 300, True, [2], a.bv[:1], a.warps[:1]
         HK, HV, DK, DV = 2, 4, 32, 32
-        a.bk = [DK, 16]
     gen = torch.Generator(device=DEV).manual_seed(0)
     rows = []
     for dtype in (torch.bfloat16, torch.float32):
@@ -132,14 +129,15 @@ def main() -> None:
         want_state = state.clone()
         want = ref.recurrent_gated_delta_rule(q, k, v, g, beta, want_state, order)
         bad = []
-        for bv, w, bk in itertools.product(a.bv, a.warps, a.bk):
-            s = state.clone()
-            o = gdn_recurrent.recurrent_gated_delta_rule(q, k, v, aa, bb, A_log, dt_bias, s, order, block_v=bv,
-                                                         num_warps=w, block_k=bk)
-            err = ((o.double() - want.double()).norm() / want.double().norm()).item()
-            serr = ((s.double() - want_state.double()).norm() / want_state.double().norm()).item()
-            if not (err < 1.5e-2 and serr < 1e-2):
-                bad.append((bv, w, bk, err, serr))
+        for bv in a.bv:
+            for w in a.warps:
+                s = state.clone()
+                o = gdn_recurrent.recurrent_gated_delta_rule(q, k, v, aa, bb, A_log, dt_bias, s, order, block_v=bv,
+                                                             num_warps=w)
+                err = ((o.double() - want.double()).norm() / want.double().norm()).item()
+                serr = ((s.double() - want_state.double()).norm() / want_state.double().norm()).item()
+                if not (err < 1.5e-2 and serr < 1e-2):
+                    bad.append((bv, w, err, serr))
         if bad:
             raise SystemExit(f"variants off the reference ({dtype}): {bad}")
         print(f"{dtype}: every variant matches the reference", flush=True)
@@ -147,26 +145,26 @@ def main() -> None:
             args = inputs(batch, batch + 8, dtype, gen)
             state = args[7]
             moved = 2 * batch * HV * DK * DV * state.element_size()
-            for bv, w, bk in itertools.product(a.bv, a.warps, a.bk):
-                ms = bench_ms(
-                    lambda bv=bv, w=w, bk=bk, args=args: gdn_recurrent.recurrent_gated_delta_rule(
-                        *args, block_v=bv, num_warps=w, block_k=bk),
-                    warmup=20, rep=100)
-                rows.append((str(dtype).removeprefix("torch."), batch, bv, w, bk, ms * 1e3, moved / ms / 1e9))
-                print(f"  {rows[-1][0]} batch {batch} BV {bv} warps {w} BK {bk}: {ms * 1e3:.1f} us, "
-                      f"{moved / ms / 1e9:.2f} TB/s", flush=True)
+            for bv in a.bv:
+                for w in a.warps:
+                    ms = bench_ms(
+                        lambda bv=bv, w=w, args=args: gdn_recurrent.recurrent_gated_delta_rule(
+                            *args, block_v=bv, num_warps=w),
+                        warmup=20, rep=100)
+                    rows.append((str(dtype).removeprefix("torch."), batch, bv, w, ms * 1e3, moved / ms / 1e9))
+                    print(f"  {rows[-1][0]} batch {batch} BV {bv} warps {w}: {ms * 1e3:.1f} us, "
+                          f"{moved / ms / 1e9:.2f} TB/s", flush=True)
     print("\nbest per state dtype and batch, beside the default (gdn_recurrent.TILES):")
-    print("| state | batch | default µs | best µs | best BV, warps, BK | TB/s |\n|---|---|---|---|---|---|")
+    print("| state | batch | default µs | best µs | best BV, warps | TB/s |\n|---|---|---|---|---|---|")
     for dtype in ("bfloat16", "float32"):
         for batch in a.batches:
             mine = [r for r in rows if r[0] == dtype and r[1] == batch]
             if not mine:
                 continue
-            best = min(mine, key=lambda r: r[5])
-            base = next((r for r in mine if (r[2], r[3]) == gdn_recurrent.TILES[getattr(torch, dtype)]
-                         and r[4] >= DK), None)
-            print(f"| {dtype} | {batch} | {f'{base[5]:.1f}' if base else '-'} | {best[5]:.1f} | "
-                  f"{best[2]}, {best[3]}, {best[4]} | {best[6]:.2f} |")
+            best = min(mine, key=lambda r: r[4])
+            base = next((r for r in mine if (r[2], r[3]) == gdn_recurrent.TILES[getattr(torch, dtype)]), None)
+            print(f"| {dtype} | {batch} | {base[4]:.1f} | {best[4]:.1f} | {best[2]}, {best[3]} | {best[5]:.2f} |"
+                  if base else f"| {dtype} | {batch} | - | {best[4]:.1f} | {best[2]}, {best[3]} | {best[5]:.2f} |")
     if a.prefill:
         prefill_sweep()
 

@@ -68,71 +68,12 @@ def _recurrent_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr,
     tl.store(o_row, tl.sum(S * q[:, None], 0).to(o_ptr.dtype.element_ty), mask=vmask)
 
 
-@triton.jit
-def _recurrent_stream_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, state_ptr, slots_ptr, o_ptr,
-                             stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_a, stride_b,
-                             stride_s0, stride_s1, Hv, scale, REP: tl.constexpr, DK: tl.constexpr,
-                             DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BKC: tl.constexpr,
-                             EPS: tl.constexpr):
-    """_recurrent_kernel's step over [BKC, BV] slices of the state tile, in two passes. The first reads S^T k and
-    S^T q, which give the output without the new state: o = e^g S^T q + delta (k.q). The second reads each slice
-    again (from L2) and writes S e^g + k delta^T. A thread keeps one slice's values live instead of the whole
-    [Dk, BV] tile: the sm_90 build spills nothing at BKC 32 or 16, in either state dtype, where the one-tile
-    kernel spills 88 bytes on a bf16 state (test_gdn_compile.py). The one-tile kernel moves a bf16 state at 2.8
-    TB/s against 3.8 for fp32 (benchmarks/gdn_tile_bench.py); whether the slices close that gap is what the
-    sweep's block_k axis measures."""
-    i = tl.program_id(0)
-    h = tl.program_id(1)
-    vcols = tl.program_id(2) * BV + tl.arange(0, BV)
-    vmask = vcols < DV
-    slot = tl.load(slots_ptr + i).to(tl.int64)
-    o_row = o_ptr + (i.to(tl.int64) * Hv + h) * DV + vcols
-    if slot < 0:
-        tl.store(o_row, tl.zeros([BV], dtype=o_ptr.dtype.element_ty), mask=vmask)
-        return
-    hk = h // REP
-    q_base = q_ptr + i.to(tl.int64) * stride_qt + hk * stride_qh
-    k_base = k_ptr + i.to(tl.int64) * stride_kt + hk * stride_kh
-    kr = tl.arange(0, BK)
-    q = tl.load(q_base + kr, mask=kr < DK, other=0.0).to(tl.float32)
-    k = tl.load(k_base + kr, mask=kr < DK, other=0.0).to(tl.float32)
-    rq = tl.rsqrt(tl.sum(q * q, 0) + EPS) * scale
-    rk = tl.rsqrt(tl.sum(k * k, 0) + EPS)
-    kq = tl.sum(q * k, 0) * rq * rk
-    v = tl.load(v_ptr + i.to(tl.int64) * stride_vt + h * stride_vh + vcols, mask=vmask, other=0.0).to(tl.float32)
-    a = tl.load(a_ptr + i.to(tl.int64) * stride_a + h).to(tl.float32)
-    bb = tl.load(b_ptr + i.to(tl.int64) * stride_b + h).to(tl.float32)
-    eg = tl.exp(-tl.exp(tl.load(A_log_ptr + h).to(tl.float32)) * softplus(a + tl.load(dt_bias_ptr + h).to(tl.float32)))
-    beta = tl.sigmoid(bb)
-    s_base = state_ptr + slot * stride_s0 + h * stride_s1
-    sk = tl.zeros([BV], dtype=tl.float32)
-    sq = tl.zeros([BV], dtype=tl.float32)
-    for k0 in range(0, DK, BKC):
-        rows = k0 + tl.arange(0, BKC)
-        rmask = rows < DK
-        S = tl.load(s_base + rows[:, None] * DV + vcols[None, :], mask=rmask[:, None] & vmask[None, :],
-                    other=0.0).to(tl.float32)
-        sk += tl.sum(S * (tl.load(k_base + rows, mask=rmask, other=0.0).to(tl.float32) * rk)[:, None], 0)
-        sq += tl.sum(S * (tl.load(q_base + rows, mask=rmask, other=0.0).to(tl.float32) * rq)[:, None], 0)
-    delta = (v - sk * eg) * beta
-    tl.store(o_row, (sq * eg + delta * kq).to(o_ptr.dtype.element_ty), mask=vmask)
-    for k0 in range(0, DK, BKC):
-        rows = k0 + tl.arange(0, BKC)
-        rmask = rows < DK
-        ptrs = s_base + rows[:, None] * DV + vcols[None, :]
-        smask = rmask[:, None] & vmask[None, :]
-        kc = tl.load(k_base + rows, mask=rmask, other=0.0).to(tl.float32) * rk
-        S = tl.load(ptrs, mask=smask, other=0.0).to(tl.float32) * eg + kc[:, None] * delta[None, :]
-        tl.store(ptrs, S.to(state_ptr.dtype.element_ty), mask=smask)
-
-
 def recurrent_gated_delta_rule(q, k, v, a, b, A_log, dt_bias, ssm_state, state_slots, eps=1e-6, block_v=None,
-                               num_warps=None, block_k=None):
+                               num_warps=None):
     """q, k [B, Hk, Dk], v [B, Hv, Dv] (strided views of the conv output), a, b [B, Hv] (views of the in-projection),
     ssm_state [slots, Hv, Dk, Dv] (a dtype of TILES) -> o [B, Hv, Dv] in v.dtype; each row's slot state advanced in
     place. block_v / num_warps: the tile's value columns and the program's warps (default: TILES for the state's
-    dtype; benchmarks/gdn_tile_bench.py sweeps them). block_k below Dk: _recurrent_stream_kernel over slices of
-    that many state rows (the tile sweep's other axis; not yet timed on the GPU, so never the default)."""
+    dtype; benchmarks/gdn_tile_bench.py sweeps them)."""
     B, Hk, Dk = q.shape
     Hv, Dv = v.shape[1], v.shape[2]
     check_state(ssm_state, Hv, Dk, Dv)
@@ -144,11 +85,9 @@ def recurrent_gated_delta_rule(q, k, v, a, b, A_log, dt_bias, ssm_state, state_s
     bk = triton.next_power_of_2(Dk)
     tile_v, warps = TILES[ssm_state.dtype]
     bv = min(triton.next_power_of_2(Dv), block_v or tile_v)
-    stream = block_k is not None and block_k < bk
-    kernel = _recurrent_stream_kernel if stream else _recurrent_kernel
-    kernel[(B, Hv, triton.cdiv(Dv, bv))](
+    _recurrent_kernel[(B, Hv, triton.cdiv(Dv, bv))](
         q, k, v, a, b, A_log, dt_bias, ssm_state, state_slots.to(torch.int32), o,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0), b.stride(0),
         ssm_state.stride(0), ssm_state.stride(1), Hv, Dk**-0.5, REP=Hv // Hk, DK=Dk, DV=Dv, BK=bk, BV=bv, EPS=eps,
-        num_warps=num_warps or warps, **({"BKC": triton.next_power_of_2(block_k)} if stream else {}))
+        num_warps=num_warps or warps)
     return o

@@ -69,18 +69,6 @@ def test_decode_kernels_fit_and_do_not_spill(tmp_path, state):
         assert k.asm["cubin"] and k.metadata.shared <= SHARED_MAX and spill_bytes(k, tmp_path) <= allowed[k]
 
 
-@pytest.mark.parametrize("state", [F32, BF16])
-@pytest.mark.parametrize("bkc", [32, 16])
-def test_streamed_decode_kernel_fits_and_does_not_spill(tmp_path, state, bkc):
-    stream = compile_sm90(rec._recurrent_stream_kernel,
-                          {"q_ptr": BF16, "k_ptr": BF16, "v_ptr": BF16, "a_ptr": BF16, "b_ptr": BF16,
-                           "A_log_ptr": F32, "dt_bias_ptr": F32, "state_ptr": state, "slots_ptr": I32,
-                           "o_ptr": BF16, "scale": "fp32"},
-                          {"REP": HV // HK, "DK": DK, "DV": DV, "BK": DK, "BV": 64, "BKC": bkc, "EPS": 1e-6},
-                          num_warps=2)
-    assert stream.asm["cubin"] and stream.metadata.shared <= SHARED_MAX and spill_bytes(stream, tmp_path) == 0
-
-
 def test_prefill_conv_fits_and_does_not_spill(tmp_path):
     out = compile_sm90(conv._conv_prefill_kernel, {"x_ptr": BF16, "w_ptr": BF16, "state_ptr": BF16,
                                                    "slots_ptr": I32, "cu_ptr": I32, "seq_of_ptr": I32,

@@ -105,34 +105,6 @@ def test_recurrent_step(dtype):
     assert torch.equal(state[[3, 5]], expected_state[[3, 5]])  # slots nobody holds are untouched
 
 
-@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
-def test_streamed_recurrent_step(state_dtype):
-    """block_k below Dk: the two-pass kernel over slices of the state rows (8 of 16, then 4 and a slice past a
-    Dk of 12) against the reference, a padding row and untouched slots included, two steps in a row."""
-    gen = torch.Generator().manual_seed(9)
-    q, k, v, a, b, A_log, dt_bias, state = rule_inputs(5, torch.float32, gen)
-    state = state.to(state_dtype)
-    slots = torch.tensor([1, -1, 4, 0, 2], dtype=torch.int32)
-    expected_state = state.clone()
-    g, beta = ref.gdn_gating(A_log, a, dt_bias, b)
-    for block_k in (8, 4):
-        o = TK["gdn_recurrent"].recurrent_gated_delta_rule(q, k, v, a, b, A_log, dt_bias, state, slots,
-                                                           block_k=block_k)
-        expected = ref.recurrent_gated_delta_rule(q, k, v, g, beta, expected_state, slots)
-        close(o, expected, state_dtype)
-        close(state.float(), expected_state.float(), state_dtype)
-    assert not o[1].any()
-    assert torch.equal(state[[3, 5]], expected_state[[3, 5]])
-    # a Dk that is no power of two: the last slice is masked
-    q12, k12 = q[:, :, :12].contiguous(), k[:, :, :12].contiguous()
-    s12 = state[:, :, :12].contiguous()
-    want12 = s12.clone()
-    o = TK["gdn_recurrent"].recurrent_gated_delta_rule(q12, k12, v, a, b, A_log, dt_bias, s12, slots, block_k=8)
-    expected = ref.recurrent_gated_delta_rule(q12, k12, v, g, beta, want12, slots)
-    close(o, expected, state_dtype)
-    close(s12.float(), want12.float(), state_dtype)
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_chunk_rule_varlen(dtype):
     """Sequences shorter than a chunk, of one token, past one chunk (70 = 64 + 6), empty, and a padding one,
