@@ -227,6 +227,18 @@ def argmax(logits):
     return logits.argmax(dim=-1)
 
 
+# ---------------------------------------------------------------- the chosen token's logprob
+
+
+def token_logprobs(logits, tokens, rows=None):
+    """logits [R, V], tokens int [R], rows int [L] or None (every row) -> fp32 [L]: each picked row's log-softmax
+    (in fp32) at its token."""
+    if rows is not None:
+        rows = rows.long()
+        logits, tokens = logits.index_select(0, rows), tokens[rows]
+    return torch.log_softmax(logits, dim=1, dtype=torch.float32).gather(1, tokens.long()[:, None]).squeeze(1)
+
+
 # ---------------------------------------------------------------- FP8
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn

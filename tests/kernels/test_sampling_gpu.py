@@ -132,3 +132,17 @@ def test_split_path_replays_in_a_cuda_graph():
         graph.replay()
         want = sampling.sample(x, rec, torch.full((4,), -1, dtype=torch.int64, device="cuda"), split=True)
         assert torch.equal(out, want) and out[2] == -1
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_token_logprobs_match_log_softmax_on_gpu(dtype):
+    """kernels/logprobs.py at the 8B vocabulary against fp32 log_softmax: every row and picked rows."""
+    from pagefleet.kernels import logprobs
+
+    g = torch.Generator(device="cuda").manual_seed(2)
+    x = (torch.randn(256, V, generator=g, device="cuda") * 3).to(dtype)
+    tokens = torch.randint(0, V, (256,), generator=g, device="cuda")
+    want = ref.token_logprobs(x, tokens)
+    torch.testing.assert_close(logprobs.token_logprobs(x, tokens), want, rtol=1e-5, atol=1e-4)
+    rows = torch.tensor([255, 3, 100], dtype=torch.int32, device="cuda")
+    torch.testing.assert_close(logprobs.token_logprobs(x, tokens, rows), want[rows.long()], rtol=1e-5, atol=1e-4)

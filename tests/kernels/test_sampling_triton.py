@@ -17,7 +17,7 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="interpreter tests: run by test_sampling_kernels.py in a child process")
 if os.environ.get("TRITON_INTERPRET") == "1":
     pytest.importorskip("triton")
-    from pagefleet.kernels import sampling
+    from pagefleet.kernels import logprobs, sampling
 
 
 def both(x, rec, **blocks):
@@ -131,6 +131,40 @@ def test_triton_sample_edge_settings():
         got, want = both(y, rec, block=64, search_block=32)
         assert torch.equal(got, want), (dtype, got, want)
 
+
+def test_triton_sample_full_row_draw_across_lanes_and_blocks():
+    """The draw over the whole row (temperature alone: no filter gathers a buffer) keeps a best per lane and
+    reduces once: the same token as the reference over many positions and a partial tail block, and a tie (two
+    +inf logits in different lanes and blocks: both score +inf) goes to the lowest id, as in the reference."""
+    g = torch.Generator().manual_seed(31)
+    x = torch.randn(12, 333, generator=g) * 3
+    x[11] = -1.0
+    x[11, [200, 17]] = float("inf")
+    for step in range(4):
+        rec = records([1.0, 0.7, 1.5] * 4, 0, 1.0, seed=np.arange(12) + 3, position=step * 5 + np.arange(12))
+        got, want = both(x, rec, block=64)
+        assert torch.equal(got, want), (step, got, want)
+        assert got[11] == 17
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_token_logprobs_match_log_softmax(dtype):
+    """kernels/logprobs.py against the reference (fp32 log_softmax, then the token): every row or picked rows,
+    a partial tail block (333 over blocks of 64), -inf logits beside the chosen token, a row of one live token."""
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(7, 333, generator=g) * 4).to(dtype)
+    x[2, ::3] = float("-inf")
+    x[5, :] = float("-inf")
+    x[5, 300] = 2.0
+    tokens = torch.tensor([0, 332, 1, 64, 128, 300, 200])
+    got = logprobs.token_logprobs(x, tokens, block=64)
+    want = ref.token_logprobs(x, tokens)
+    torch.testing.assert_close(got, want, rtol=0, atol=2e-6)
+    assert got[5] == 0.0
+    rows = torch.tensor([6, 2, 5], dtype=torch.int32)
+    torch.testing.assert_close(logprobs.token_logprobs(x, tokens, rows, block=64), want[rows.long()], rtol=0,
+                               atol=2e-6)
+    assert logprobs.token_logprobs(x, tokens, rows[:0], block=64).shape == (0,)
 
 
 def split_rows(V):

@@ -113,6 +113,7 @@ class Sampler:
         self.state = st.SamplingState(device, seed, max_num_seqs)
         # the Triton kernel on CUDA, its reference elsewhere (imported here: CPU processes skip Triton)
         self.kernel = importlib.import_module("pagefleet.kernels.sampling") if device.type == "cuda" else ref
+        self.logprob_kernel = importlib.import_module("pagefleet.kernels.logprobs") if device.type == "cuda" else ref
         # seqs -> (constrained rows int32 [G], bitmask int32 [G, W]) or None; the engine sets it at its first
         # structured request (engine/structured_output.py), so steps before that pay nothing
         self.grammar_bitmask = None
@@ -218,33 +219,39 @@ class Sampler:
         words = self.state.slots.words
         words.index_put_((slot, tokens[prow]), torch.ones_like(slot, dtype=torch.int32), accumulate=True)
 
-    @staticmethod
-    def _with_logprobs(sampled: Sampled, logits: torch.Tensor, rows_d: torch.Tensor) -> Sampled:
+    def _with_logprobs(self, sampled: Sampled, logits: torch.Tensor, rows_d: torch.Tensor) -> Sampled:
         """Log-softmax of the model's logits at the chosen and the top tokens, for the logprobs rows."""
         if not sampled.lp_rows:
             return sampled
-        # Few launches: a small model's rollout step is bound by the host's launches (benchmarks/host_step_bench.py
-        # --device cuda: sampling is a third of a 1.5 ms step at 256 rows of 135M). When every row asks (GRPO
-        # rollouts) no rows are picked; one log-softmax in fp32 serves the chosen and the top values; logprobs=0
-        # rows need no top-k.
-        if len(sampled.lp_rows) == logits.shape[0]:
+        every = len(sampled.lp_rows) == logits.shape[0]  # GRPO rollouts: every row asks, none is picked
+        k = max(sampled.lp_counts)
+        if not k:
+            # The sampled token's logprob alone (RL rollouts): kernels/logprobs.py reads each row twice and writes
+            # one float, where log_softmax writes an fp32 copy of the logits (93 of a 135M rollout step's 1,400 us
+            # on an H100).
+            sampled.chosen = self.logprob_kernel.token_logprobs(logits, sampled.tokens, None if every else rows_d)
+            return sampled
+        if every:
             sel, tokens = logits, sampled.tokens
         else:
             rows_d = rows_d.long()
             sel, tokens = logits.index_select(0, rows_d), sampled.tokens[rows_d]
-        logprobs = torch.log_softmax(sel, dim=1, dtype=torch.float32)
+        logprobs = torch.log_softmax(sel, dim=1, dtype=torch.float32)  # one pass serves the chosen and the top
         sampled.chosen = logprobs.gather(1, tokens[:, None]).squeeze(1)
-        k = max(sampled.lp_counts)
-        if k:
-            sampled.top_values, sampled.top_ids = logprobs.topk(k, dim=1)
+        sampled.top_values, sampled.top_ids = logprobs.topk(k, dim=1)
         return sampled
 
     def warm_up(self, logits: torch.Tensor) -> None:
-        """Compile the kernel variants a step can need (sampled rows of model-dtype and fp32 logits) at start-up."""
+        """Compile the kernel variants a step can need (sampled rows of model-dtype and fp32 logits, the logprob of
+        every row or of some) at start-up."""
         rows = np.zeros((1, st.ROW), dtype=np.int32)
         rows.view(np.float32)[:, ref.INV_TEMPERATURE] = 1.0
         rows.view(np.float32)[:, ref.TOP_P] = 1.0
-        (params,) = self._upload(rows)
+        params, picked = self._upload(rows, np.zeros(1, dtype=np.int32))
+        tokens = torch.zeros(1, dtype=torch.int64, device=logits.device)
+        for x in (logits[:1], logits[:1].float()):
+            self.logprob_kernel.token_logprobs(x, tokens)
+            self.logprob_kernel.token_logprobs(x, tokens, picked)
         paths = ({"split": True}, {"split": False}) if self.kernel is not ref else ({},)
         for path in paths:  # both: the first batch of the other path must not stall a server on a compile
             self.kernel.sample(logits[:1], params, **path)
