@@ -325,10 +325,11 @@ def _sample_kernel(logits_ptr, stride_row, params_ptr, paramsf_ptr, stride_param
             else:
                 best_idx = _draw_buffer(keys_ptr, ids_ptr, n, m, thr, log_min_p, k1, k2, CAP)
         else:
-            # Per lane a running best, reduced once after the loop: a reduction per block serialised the pass
-            # (temperature alone at 256 rows of 49,152: 63 us of a 135M rollout step on an H100, torch.profiler
-            # over host_step_bench.py's rollouts). Strictly greater keeps a lane's earliest tie, and the smallest
-            # id among the lanes' maxima wins, so the token is the one the reference draws.
+            # Per lane a running best, reduced once after the loop: a scalar compare per block keeps the next
+            # block's loads from being issued early (temperature alone, bf16 rows of 128,256 on an H100: 133 us
+            # at batch 1 against 954, 96 against 186 at 64, 156 against 194 at 256; benchmarks/sampling_bench.py
+            # --kernel --baseline 3f43362). Strictly greater keeps a lane's earliest tie, and the smallest id
+            # among the lanes' maxima wins, so the token is the one the reference draws.
             best_vec = tl.full([BLOCK], float("-inf"), tl.float32)
             idx_vec = tl.full([BLOCK], 0, tl.int32)
             for k0 in range(0, V, BLOCK):
