@@ -242,16 +242,15 @@ class Sampler:
         return sampled
 
     def warm_up(self, logits: torch.Tensor) -> None:
-        """Compile the kernel variants a step can need (sampled rows of model-dtype and fp32 logits, the logprob of
-        every row or of some) at start-up."""
+        """Compile the kernel variants a step can need (sampled rows of model-dtype and fp32 logits; the logprob of
+        every row or of some, always of the model's logits) at start-up."""
         rows = np.zeros((1, st.ROW), dtype=np.int32)
         rows.view(np.float32)[:, ref.INV_TEMPERATURE] = 1.0
         rows.view(np.float32)[:, ref.TOP_P] = 1.0
         params, picked = self._upload(rows, np.zeros(1, dtype=np.int32))
         tokens = torch.zeros(1, dtype=torch.int64, device=logits.device)
-        for x in (logits[:1], logits[:1].float()):
-            self.logprob_kernel.token_logprobs(x, tokens)
-            self.logprob_kernel.token_logprobs(x, tokens, picked)
+        self.logprob_kernel.token_logprobs(logits[:1], tokens)
+        self.logprob_kernel.token_logprobs(logits[:1], tokens, picked)
         paths = ({"split": True}, {"split": False}) if self.kernel is not ref else ({},)
         for path in paths:  # both: the first batch of the other path must not stall a server on a compile
             self.kernel.sample(logits[:1], params, **path)
