@@ -1,13 +1,14 @@
 """Sampled against greedy decoding: the sampling kernel alone, and offline through one engine.
 
 --kernel: kernels/sampling.py alone on bf16 logits of the 8B shape's vocabulary (128,256) at batch 1, 4, 16, 64
-and 256, per setting, against greedy's argmax kernel and against the sampling kernel of another commit
-(--baseline, read with `git show`, so the old kernel lives only here): median of CUDA-event-timed launches, in us.
+and 256, per setting, against greedy's argmax kernel: median of CUDA-event-timed launches, in us.
 "per-row" is the one-program-per-row kernel (split=False); at batch <= 64 "split" is the row split across
 programs (split=True, sampling_split.py), timed as launched and as one CUDA graph replay (its launches without the
 host's gaps between them), its tokens checked against the per-row kernel's (they may differ only at a top-p edge
 within rounding). --fold F ... also times the per-row kernel with its count passes reading F search blocks a step,
 each column checked to draw the same tokens as the default.
+--baseline REV: the per-row kernel and the split path of commit REV (read with `git show`, so the old kernels live
+only here) beside today's, the split path launched and as a graph, their tokens against today's.
 MODEL_DIR: the same 64 prompts (512 in / 128 out) under five sampling settings, one engine on one GPU, prefix
 cache reset before each run, each setting run twice and the second run printed (the first compiles nothing after
 start-up, but warms the allocator): what the device-side sampler costs per setting beside greedy.
@@ -44,23 +45,35 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def baseline_kernel(rev: str):
-    """kernels/sampling.py as of commit `rev` (or the file at path `rev`), loaded as a module beside today's."""
-    if Path(rev).is_file():
-        src, rev = Path(rev).read_text(), "file"
-    else:
-        src = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:kernels/sampling.py"], check=True,
-                             capture_output=True, text=True).stdout
-    path = ROOT / "kernels" / f"_sampling_{rev}.py"  # Triton reads a kernel's source from its file; relative
-    # imports resolve inside the package
-    path.write_text(src)
-    try:
-        module = types.ModuleType(f"pagefleet.kernels._sampling_{rev}")
-        module.__file__, module.__package__ = str(path), "pagefleet.kernels"
-        sys.modules[module.__name__] = module
-        exec(compile(src, str(path), "exec"), module.__dict__)
-    finally:
-        path.unlink()
-    return module
+    """kernels/sampling.py and kernels/sampling_split.py as of commit `rev`, loaded as modules beside today's (the
+    old per-row kernel calls the old split path)."""
+    def show(name):
+        return subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:kernels/{name}.py"], check=True,
+                              capture_output=True, text=True).stdout
+
+    tag = rev.replace("/", "_").replace("~", "_").replace("^", "_")
+    sources = {  # each old module imports the other old one, not today's
+        f"_sampling_{tag}": show("sampling").replace("from . import sampling_split",
+                                                     f"from . import _sampling_split_{tag} as sampling_split"),
+        f"_sampling_split_{tag}": show("sampling_split").replace("from .sampling import",
+                                                                 f"from ._sampling_{tag} import"),
+    }
+    modules = []
+    for name, src in sources.items():
+        path = ROOT / "kernels" / f"{name}.py"  # Triton reads a kernel's source from its file; relative imports
+        # resolve inside the package
+        path.write_text(src)
+        try:
+            module = types.ModuleType(f"pagefleet.kernels.{name}")
+            module.__file__, module.__package__ = str(path), "pagefleet.kernels"
+            sys.modules[module.__name__] = module
+            import pagefleet.kernels
+            setattr(pagefleet.kernels, name, module)
+            exec(compile(src, str(path), "exec"), module.__dict__)
+        finally:
+            path.unlink()
+        modules.append(module)
+    return modules[0]
 
 
 def kernel_table(baseline: str | None, scale: float, folds: list[int]) -> None:
@@ -69,6 +82,7 @@ def kernel_table(baseline: str | None, scale: float, folds: list[int]) -> None:
 
     from pagefleet.kernels import greedy, sampling
     from pagefleet.kernels import reference as ref
+    from pagefleet.worker.executor.sampler import SPLIT_CLASSES
 
     old = baseline_kernel(baseline) if baseline else None
 
@@ -90,7 +104,8 @@ def kernel_table(baseline: str | None, scale: float, folds: list[int]) -> None:
     print(f"sampling kernel alone, bf16 logits N(0, {scale}^2) x {VOCAB:,}, median us per launch"
           + (f"; old = kernels/sampling.py at {baseline}" if old else ""), flush=True)
     print(f"{'setting':30s} {'batch':>5s} {'per-row us':>10s} {'split us':>9s} {'graph us':>9s} {'same':>5s}"
-          + (f" {'old us':>9s} {'old/new':>7s} {'same tokens':>11s}" if old else "")
+          + (f" {'old per-row':>11s} {'old/new':>7s} {'same':>5s} {'old split':>9s} {'old graph':>9s}"
+             f" {'old/new graph':>13s} {'same':>5s}" if old else "")
           + "".join(f" {f'fold {f} us':>10s} {'same':>5s}" for f in folds), flush=True)
     g = torch.Generator(device="cuda").manual_seed(0)
     for batch in (1, 4, 16, 64, 256):
@@ -99,23 +114,34 @@ def kernel_table(baseline: str | None, scale: float, folds: list[int]) -> None:
         print(f"{'greedy (argmax kernel)':30s} {batch:5d} {us:10.1f}", flush=True)
         for name, setting in KERNEL_SETTINGS.items():
             rec = records(batch, *setting)
+            _, top_k, top_p, min_p = setting  # the sampler's launch class for these rows (sampler.split_class)
+            cls = SPLIT_CLASSES[2 if top_k else 1 if top_p < 1.0 or min_p > 0 else 0]
             new = sampling.sample(logits, rec, split=False)
             new_us = time_us(lambda rec=rec, x=logits: sampling.sample(x, rec, split=False))
             line = f"{name:30s} {batch:5d} {new_us:10.1f}"
+            if old:  # the old per-row kernel, its tokens against today's
+                old_us = time_us(lambda rec=rec, x=logits: old.sample(x, rec, split=False))
+                same = int((old.sample(logits, rec, split=False) == new).sum())
+                old_cols = f" {old_us:11.1f} {old_us / new_us:7.2f} {same:>5d}"
             if batch <= 64:
-                split_us = time_us(lambda rec=rec, x=logits: sampling.sample(x, rec, split=True))
+                split_us = time_us(lambda rec=rec, x=logits, c=cls: sampling.sample(x, rec, split=True, filters=c))
                 out = torch.empty(batch, dtype=torch.int64, device="cuda")
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph):
-                    sampling.sample(logits, rec, out, split=True)
+                    sampling.sample(logits, rec, out, split=True, filters=cls)
                 graph_us = time_us(graph.replay)
                 line += f" {split_us:9.1f} {graph_us:9.1f} {int((out == new).sum()):>5d}"
+                if old:  # the old split path, launched and as a graph, its tokens against today's split path
+                    old_split_us = time_us(lambda rec=rec, x=logits: old.sample(x, rec, split=True))
+                    old_out = torch.empty(batch, dtype=torch.int64, device="cuda")
+                    old_graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(old_graph):
+                        old.sample(logits, rec, old_out, split=True)
+                    old_graph_us = time_us(old_graph.replay)
+                    line += old_cols + (f" {old_split_us:9.1f} {old_graph_us:9.1f} {old_graph_us / graph_us:13.2f}"
+                                        f" {int((old_out == out).sum()):>5d}")
             else:
-                line += f" {'':9s} {'':9s} {'':5s}"
-            if old:
-                old_us = time_us(lambda rec=rec, x=logits: old.sample(x, rec))
-                same = int((old.sample(logits, rec) == new).sum())
-                line += f" {old_us:9.1f} {old_us / new_us:7.2f} {same:>5d} / {batch:<5d}"
+                line += f" {'':9s} {'':9s} {'':5s}" + (old_cols if old else "")
             for f in folds:
                 fold_us = time_us(lambda rec=rec, x=logits, f=f: sampling.sample(x, rec, fold=f, split=False))
                 line += f" {fold_us:10.1f} {int((sampling.sample(logits, rec, fold=f, split=False) == new).sum()):>5d}"

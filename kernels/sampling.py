@@ -1,19 +1,22 @@
 """Sampled token choice without sorting the vocabulary: temperature, top-k, top-p, min-p and a seeded draw per row.
 
-One program per row, a few passes over its row; small batches whose top-p searches the whole row can take
-sampling_split.py's path instead (each row split across programs, the same tokens; who picks it and when it pays:
-sampling_split.SPLIT_ROWS). Per row, the first pass finds the row's max and, per lane of a block, the lane's max:
-the k-th largest of those lane maxima is a lower bound on the k-th largest value (k lanes hold a value at least that
-large), usually within a few tokens of it. Every token at or above such a bound is then gathered into a per-row
-buffer of CAP (key, token) pairs, and the thresholds come from sorting that buffer, not the row. Where the bound is
-too loose (top-p alone, or a large k), count passes narrow a bracket [lo, hi) of the values in their ordered-integer
-form: each pass counts, and sums the probability mass, at or above 16 pivots, 12 spaced in value (geometrically from
-the max while the bracket is open below, linearly inside it) and 4 in keys (progress whatever the values), until the
-bracket holds at most CAP tokens, which are gathered and sorted; a bracket that cannot shrink is one value (ties),
-and is the threshold. Top-p after top-k works on top-k's buffer when it holds every survivor. When the buffer holds
-every kept token the draw reads only the buffer, else one more pass over the row. The draw is the exponential race
-argmax p_i / E_i written as Gumbel-max (argmax x_i - log E_i), its uniform variates a counter-based hash of (seed,
-output position, token id): a row's draw depends on nothing else in the batch, and reference.sample draws the same.
+One program per row, a few passes over its row; small batches can take sampling_split.py's path instead (each row
+split across programs, the same tokens; who picks it and when it pays: worker/executor/sampler.py split_pays).
+The draw is the exponential race argmax p_i / E_i written as Gumbel-max (argmax x_i - log E_i), its uniform
+variates a counter-based hash of (seed, output position, token id): a row's draw depends on nothing else in the
+batch, and reference.sample draws the same. Per row, the first pass finds the row's max and, per lane of a
+block, the lane's max. Top-k: the k-th largest of those lane maxima is a lower bound on the k-th largest value
+(k lanes hold a value at least that large), usually within a few tokens of it; every token at or above such a
+bound is gathered into a per-row buffer of CAP (key, token) pairs, and the threshold comes from sorting that
+buffer, not the row. Where the bound is too loose (a large k), count passes narrow a bracket [lo, hi) of the
+values in their ordered-integer form: each pass counts the keys at or above 16 pivots, 12 spaced in value and 4 in
+keys, until the bracket holds at most CAP tokens, which are gathered and sorted; a bracket that cannot shrink is
+one value (ties), and is the threshold. Top-p after top-k works on top-k's buffer when it holds every survivor.
+Otherwise top-p is drawn by rejection (sampling_split.py's header has the argument): the race over every survivor
+gives a candidate and the survivors' mass; the candidate is drawn once the survivors strictly above it hold less
+than top_p of that mass, else the race among those above it gives the next; about 1 - top_p of the first
+candidates are rejected, so most rows take two passes after the max where the count passes took five or six
+and a gather.
 
 Semantics (reference.sample is the definition): x = logits * inv_temperature (fp32); top-k keeps x >= the
 k-th largest x (all ties at the threshold stay); top-p keeps, among those, every token whose strictly larger
@@ -106,40 +109,25 @@ def _pivots(lo, hi, NP: tl.constexpr):
 
 
 @triton.jit
-def _count_pass(base, V, inv_t, m, floor, piv, MASS: tl.constexpr, SEARCH_BLOCK: tl.constexpr, NP: tl.constexpr,
-                FOLD: tl.constexpr):
-    """One pass over the row: per pivot the count of keys >= it and (MASS) their mass exp(x - m); and the mass of
-    all keys >= floor (the top-k survivors, whose mass top-p takes its fraction of)."""
+def _count_pass(base, V, inv_t, piv, SEARCH_BLOCK: tl.constexpr, NP: tl.constexpr, FOLD: tl.constexpr):
+    """One pass over the row: per pivot the count of keys >= it."""
     # Per-lane partials in registers, reduced across lanes once after the pass (a reduction per block costs
     # more than the block's arithmetic). One program walks the whole row, so each step's load waits on the
     # memory: FOLD > 1 reads FOLD x SEARCH_BLOCK logits a step and folds them into the same partials, the
     # loop FOLD times shorter for the same registers of partials.
     cnt = tl.zeros([SEARCH_BLOCK, NP], tl.int32)
-    mass = tl.zeros([SEARCH_BLOCK, NP], tl.float32)
-    total = tl.zeros([SEARCH_BLOCK], tl.float32)
     p32 = piv.to(tl.int32)
     for k0 in range(0, V, SEARCH_BLOCK * FOLD):
         offs = k0 + tl.arange(0, SEARCH_BLOCK * FOLD)
         valid = offs < V
-        x = _scaled(base, offs, valid, inv_t)
-        key = _key(x)
+        key = _key(_scaled(base, offs, valid, inv_t))
         if FOLD == 1:
-            hit = (key[:, None] >= p32[None, :]) & valid[:, None]
-            cnt += hit.to(tl.int32)
-            if MASS:
-                e = tl.where(valid & (key >= floor), tl.exp(x - m), 0.0)
-                total += e
-                mass += tl.where(hit, e[:, None], 0.0)
+            cnt += ((key[:, None] >= p32[None, :]) & valid[:, None]).to(tl.int32)
         else:
             key3 = tl.reshape(key, [SEARCH_BLOCK, FOLD])
             valid3 = tl.reshape(valid, [SEARCH_BLOCK, FOLD])
-            hit = (key3[:, :, None] >= p32[None, None, :]) & valid3[:, :, None]
-            cnt += tl.sum(hit.to(tl.int32), axis=1)
-            if MASS:
-                e = tl.reshape(tl.where(valid & (key >= floor), tl.exp(x - m), 0.0), [SEARCH_BLOCK, FOLD])
-                total += tl.sum(e, axis=1)
-                mass += tl.sum(tl.where(hit, e[:, :, None], 0.0), axis=1)
-    return tl.sum(cnt, axis=0), tl.sum(mass, axis=0), tl.sum(total, axis=0)
+            cnt += tl.sum(((key3[:, :, None] >= p32[None, None, :]) & valid3[:, :, None]).to(tl.int32), axis=1)
+    return tl.sum(cnt, axis=0)
 
 
 @triton.jit
@@ -165,22 +153,17 @@ def _gather(base, V, inv_t, lo, hi, keys_ptr, ids_ptr, CAP: tl.constexpr, BLOCK:
 
 
 @triton.jit
-def _bracket(base, keys_ptr, ids_ptr, V, inv_t, m, floor, lo, cnt_lo, hi, cnt_hi, mass_hi, goal_k, top_p,
-             MASS: tl.constexpr, CAP: tl.constexpr, BLOCK: tl.constexpr, SEARCH_BLOCK: tl.constexpr,
-             NP: tl.constexpr, FOLD: tl.constexpr):
-    """Narrow [lo, hi), which holds the threshold, until it is gathered (<= CAP tokens) or is one key.
-
-    Count mode (top-k): count(key >= lo) >= goal_k > count(key >= hi) = cnt_hi. Mass mode (top-p over the keys
-    >= floor): mass(key >= lo) >= target > mass(key >= hi) = mass_hi, target = top_p * mass(key >= floor) found
-    by the first pass. cnt_lo < 0: not known (a gather finds out). -> (gathered: the buffer holds the n tokens of
-    [lo, hi), else hi = lo + 1 and lo is the threshold), lo, hi, cnt_hi, mass_hi, target, n."""
-    need_pass = tl.full([], MASS, tl.int1)
+def _bracket(base, keys_ptr, ids_ptr, V, inv_t, lo, cnt_lo, hi, cnt_hi, goal_k, CAP: tl.constexpr,
+             BLOCK: tl.constexpr, SEARCH_BLOCK: tl.constexpr, NP: tl.constexpr, FOLD: tl.constexpr):
+    """Narrow [lo, hi), which holds top-k's threshold (count(key >= lo) >= goal_k > count(key >= hi) = cnt_hi),
+    until it is gathered (<= CAP tokens) or is one key. cnt_lo < 0: not known (a gather finds out). ->
+    (gathered: the buffer holds the n tokens of [lo, hi), else hi = lo + 1 and lo is the threshold), lo, hi,
+    cnt_hi, n."""
     done = tl.full([], False, tl.int1)
     gathered = tl.full([], False, tl.int1)
-    target = tl.full([], 0.0, tl.float32)
     n = tl.full([], 0, tl.int32)
     while not done:
-        if (not need_pass) & ((cnt_lo < 0) | (cnt_lo - cnt_hi <= CAP)):
+        if (cnt_lo < 0) | (cnt_lo - cnt_hi <= CAP):
             n = _gather(base, V, inv_t, lo, hi, keys_ptr, ids_ptr, CAP, BLOCK)
             if n <= CAP:
                 gathered = tl.full([], True, tl.int1)
@@ -192,21 +175,14 @@ def _bracket(base, keys_ptr, ids_ptr, V, inv_t, m, floor, lo, cnt_lo, hi, cnt_hi
                 done = tl.full([], True, tl.int1)
             else:
                 piv = _pivots(lo, hi, NP)
-                cnt, mass, total = _count_pass(base, V, inv_t, m, floor, piv, MASS, SEARCH_BLOCK, NP, FOLD)
-                if MASS:
-                    if need_pass:
-                        target = top_p * total
-                    up = mass >= target
-                else:
-                    up = cnt >= goal_k
+                cnt = _count_pass(base, V, inv_t, piv, SEARCH_BLOCK, NP, FOLD)
+                up = cnt >= goal_k
                 lo = tl.maximum(lo, tl.max(tl.where(up, piv, lo), axis=0))
                 hi = tl.minimum(hi, tl.min(tl.where(up, hi, piv), axis=0))
                 cnt_lo = tl.min(tl.where(up, cnt, tl.where(cnt_lo < 0, INT32_MAX, cnt_lo)), axis=0)
                 cnt_lo = tl.where(cnt_lo == INT32_MAX, -1, cnt_lo)
                 cnt_hi = tl.max(tl.where(up, cnt_hi, cnt), axis=0)
-                mass_hi = tl.max(tl.where(up, mass_hi, mass), axis=0)
-                need_pass = tl.full([], False, tl.int1)
-    return gathered, lo, hi, cnt_hi, mass_hi, target, n
+    return gathered, lo, hi, cnt_hi, n
 
 
 @triton.jit
@@ -235,10 +211,49 @@ def _solve_top_k(keys_ptr, n, m, top_k, cnt_hi, then_p, top_p, top, SIZE: tl.con
 
 
 @triton.jit
-def _solve_top_p(keys_ptr, n, m, floor, hi, mass_hi, target, SIZE: tl.constexpr):
-    r = tl.arange(0, SIZE)
-    s = tl.sort(tl.load(keys_ptr + r, mask=r < n, other=INT32_MIN), descending=True)
-    return _top_p_in_buffer(s, r, n, m, floor, hi, mass_hi, target)
+def _race_pass(base, V, inv_t, m, floor, above, log_min_p, k1, k2, MASS: tl.constexpr, BLOCK: tl.constexpr):
+    """One pass over the row: among the keys >= floor (top-k's survivors) and > above (strictly above a top-p
+    candidate), the Gumbel-max winner of those min-p keeps and (MASS) their mass exp(x - m). -> (mass, the
+    winner's score, the winner)."""
+    # Per lane a running best, reduced once after the loop: a scalar compare per block keeps the next block's
+    # loads from being issued early (temperature alone, bf16 rows of 128,256 on an H100: 133 us at batch 1
+    # against 954, 96 against 186 at 64, 156 against 194 at 256; benchmarks/sampling_bench.py --kernel
+    # --baseline 3f43362). Strictly greater keeps a lane's earliest tie, and the smallest id among the lanes'
+    # maxima wins, so the token is the one the reference draws.
+    mass_vec = tl.zeros([BLOCK], tl.float32)
+    best_vec = tl.full([BLOCK], float("-inf"), tl.float32)
+    idx_vec = tl.full([BLOCK], 0, tl.int32)
+    for k0 in range(0, V, BLOCK):
+        offs = k0 + tl.arange(0, BLOCK)
+        valid = offs < V
+        x = _scaled(base, offs, valid, inv_t)
+        key = _key(x)
+        surv = valid & (key >= floor) & (key > above)
+        if MASS:
+            mass_vec += tl.where(surv, tl.exp(x - m), 0.0)
+        u = _uniform(offs.to(tl.uint32), k1, k2)
+        score = tl.where(surv & (x - m >= log_min_p), x - tl.log(-tl.log(u)), float("-inf"))  # -inf: min-p off
+        better = score > best_vec
+        best_vec = tl.where(better, score, best_vec)
+        idx_vec = tl.where(better, offs, idx_vec)
+    best = tl.max(best_vec, axis=0)
+    return tl.sum(mass_vec, axis=0), best, tl.min(tl.where(best_vec == best, idx_vec, INT32_MAX), axis=0)
+
+
+@triton.jit
+def _race_to_top_p(base, V, inv_t, m, floor, log_min_p, k1, k2, target, cand, cand_key, BLOCK: tl.constexpr):
+    """Top-p by rejection over the whole row, from a candidate (the race's winner among all survivors, or a
+    later one): it is drawn once the survivors strictly above it hold less than target, else the winner among
+    those above it becomes the candidate (sampling_split.py's header says why this draws the reference's
+    token). Each rejection raises the candidate strictly, so the loop ends. -> the drawn token."""
+    open_ = tl.full([], 1, tl.int32)
+    while open_ == 1:
+        mass, best, winner = _race_pass(base, V, inv_t, m, floor, cand_key, log_min_p, k1, k2, True, BLOCK)
+        keep = (mass < target) | (best == float("-inf"))  # nothing above it survives: it is the top
+        cand = tl.where(keep, cand, winner)
+        cand_key = tl.where(keep, cand_key, _key(tl.load(base + winner).to(tl.float32) * inv_t))
+        open_ = tl.where(keep, 0, 1)
+    return cand
 
 
 @triton.jit
@@ -285,7 +300,6 @@ def _sample_kernel(logits_ptr, stride_row, params_ptr, paramsf_ptr, stride_param
         top = key_m + 1  # no key reaches it
         n = tl.full([], 0, tl.int32)
         zero_i = tl.full([], 0, tl.int32)
-        zero_f = tl.full([], 0.0, tl.float32)
         in_buffer = tl.full([], False, tl.int1)  # the buffer holds every key >= thr
         p_done = tl.full([], False, tl.int1)
         if has_k:
@@ -296,9 +310,8 @@ def _sample_kernel(logits_ptr, stride_row, params_ptr, paramsf_ptr, stride_param
                 kth_lane = tl.sum(tl.where(tl.arange(0, BLOCK) == top_k - 1, lane, 0.0), axis=0)
                 lo = _key(kth_lane).to(tl.int64)
                 cnt_lo = tl.full([], -1, tl.int32)
-            gathered, lo, hi, cnt_hi, _, _, n = _bracket(
-                base, keys_ptr, ids_ptr, V, inv_t, m, thr, lo, cnt_lo, top, zero_i, zero_f, top_k, 1.0,
-                False, CAP, BLOCK, SEARCH_BLOCK, NP, FOLD)
+            gathered, lo, hi, cnt_hi, n = _bracket(base, keys_ptr, ids_ptr, V, inv_t, lo, cnt_lo, top, zero_i,
+                                                   top_k, CAP, BLOCK, SEARCH_BLOCK, NP, FOLD)
             thr = lo
             if gathered:
                 in_buffer = hi == top
@@ -307,43 +320,20 @@ def _sample_kernel(logits_ptr, stride_row, params_ptr, paramsf_ptr, stride_param
                     thr = _solve_top_k(keys_ptr, n, m, top_k, cnt_hi, p_done, top_p, top, SMALL)
                 else:
                     thr = _solve_top_k(keys_ptr, n, m, top_k, cnt_hi, p_done, top_p, top, CAP)
-        if has_p & (not p_done):
-            gathered, lo, hi, _, mass_hi, target, n = _bracket(
-                base, keys_ptr, ids_ptr, V, inv_t, m, thr, thr, zero_i - 1, top, zero_i, zero_f, top_k, top_p,
-                True, CAP, BLOCK, SEARCH_BLOCK, NP, FOLD)
-            thr = lo
-            in_buffer = gathered & (hi == top)
-            if gathered:
-                if n <= SMALL:
-                    thr = _solve_top_p(keys_ptr, n, m, thr, hi, mass_hi, target, SMALL)
-                else:
-                    thr = _solve_top_p(keys_ptr, n, m, thr, hi, mass_hi, target, CAP)
         k1, k2 = _row_noise_keys(p_i)
-        if in_buffer:
+        no_candidate = tl.full([], INT32_MIN, tl.int32)
+        if has_p & (not p_done):
+            # top-p by rejection: the race over every survivor gives the first candidate and the survivors' mass
+            total, _, cand = _race_pass(base, V, inv_t, m, thr, no_candidate, log_min_p, k1, k2, True, BLOCK)
+            best_idx = _race_to_top_p(base, V, inv_t, m, thr, log_min_p, k1, k2, top_p * total, cand,
+                                      _key(tl.load(base + cand).to(tl.float32) * inv_t), BLOCK)
+        elif in_buffer:
             if n <= SMALL:
                 best_idx = _draw_buffer(keys_ptr, ids_ptr, n, m, thr, log_min_p, k1, k2, SMALL)
             else:
                 best_idx = _draw_buffer(keys_ptr, ids_ptr, n, m, thr, log_min_p, k1, k2, CAP)
         else:
-            # Per lane a running best, reduced once after the loop: a scalar compare per block keeps the next
-            # block's loads from being issued early (temperature alone, bf16 rows of 128,256 on an H100: 133 us
-            # at batch 1 against 954, 96 against 186 at 64, 156 against 194 at 256; benchmarks/sampling_bench.py
-            # --kernel --baseline 3f43362). Strictly greater keeps a lane's earliest tie, and the smallest id
-            # among the lanes' maxima wins, so the token is the one the reference draws.
-            best_vec = tl.full([BLOCK], float("-inf"), tl.float32)
-            idx_vec = tl.full([BLOCK], 0, tl.int32)
-            for k0 in range(0, V, BLOCK):
-                offs = k0 + tl.arange(0, BLOCK)
-                valid = offs < V
-                x = _scaled(base, offs, valid, inv_t)
-                keep = valid & (_key(x) >= thr) & (x - m >= log_min_p)  # log_min_p -inf: off
-                u = _uniform(offs.to(tl.uint32), k1, k2)
-                score = tl.where(keep, x - tl.log(-tl.log(u)), float("-inf"))
-                better = score > best_vec
-                best_vec = tl.where(better, score, best_vec)
-                idx_vec = tl.where(better, offs, idx_vec)
-            best_val = tl.max(best_vec, axis=0)
-            best_idx = tl.min(tl.where(best_vec == best_val, idx_vec, INT32_MAX), axis=0)
+            _, _, best_idx = _race_pass(base, V, inv_t, m, thr, no_candidate, log_min_p, k1, k2, False, BLOCK)
         tl.store(out_ptr + row, best_idx.to(tl.int64))
 
 
@@ -359,14 +349,16 @@ def splits(rows: int, split: bool | None = None, split_rows: int | None = None) 
 
 def sample(logits: torch.Tensor, params: torch.Tensor, out: torch.Tensor | None = None, block: int = 1024,
            search_block: int = 256, cap: int = CAP, fold: int = 1, split: bool | None = None,
-           split_rows: int | None = None, chunk: int | None = None) -> torch.Tensor:
+           split_rows: int | None = None, chunk: int | None = None,
+           filters: tuple[bool, bool, bool] = (True, True, True)) -> torch.Tensor:
     """logits [R, V] (last dim contiguous, any float dtype), params int32 [R, >= SAMPLE_FIELDS] (row records, the
     row stride a multiple of 4 so every row is 16-byte aligned) -> int64 [R]: a drawn token for every row with
     inv_temperature > 0; the other rows of `out` are left as they are (uninitialised without `out`). block and
     cap: powers of two (cap: the candidates gathered per row); fold: logits a count pass reads a step, in
     search_blocks (a power of two). split: the row split across programs of `chunk` logits (sampling_split.py;
     the same tokens), True or False to force either path, None to split batches of at most split_rows rows
-    (sampling_split.SPLIT_ROWS unless told)."""
+    (sampling_split.SPLIT_ROWS unless told). filters: whether any row may use top-k, top-p, min-p; the split path
+    leaves out the launches of a filter ruled out (and ignores it in a row), the per-row kernel reads every row's."""
     from . import sampling_split  # imports this module's helpers: imported once this module has run
 
     R, V = logits.shape
@@ -377,7 +369,9 @@ def sample(logits: torch.Tensor, params: torch.Tensor, out: torch.Tensor | None 
     if R == 0:
         return out
     if splits(R, split, split_rows):
-        return sampling_split.sample_split(logits, params, out, sampling_split.CHUNK if chunk is None else chunk)
+        top_k, top_p, min_p = filters
+        return sampling_split.sample_split(logits, params, out, sampling_split.CHUNK if chunk is None else chunk,
+                                           top_k=top_k, top_p=top_p, min_p=min_p)
     work = torch.empty((R, 2, cap), dtype=torch.int32, device=logits.device)
     # no FMA contraction: x * inv_t and x - max round as in the reference, so thresholds and ties agree
     _sample_kernel[(R,)](logits, logits.stride(0), params, params.view(torch.float32), params.stride(0), out, V,

@@ -3,45 +3,50 @@
 The same semantics and the same draw as the per-row kernel (reference.sample is the definition), in a fixed
 sequence of launches with no host sync and no data-dependent host loop, so the whole draw can be captured in a
 CUDA graph:
-  1. per chunk, its max (and, for top-k rows, the first digit's count histogram); per row, the max;
+  1. per chunk, its max; per row, the max (only where top-p or min-p needs it);
   2. top-k (rows with 0 < top_k < V): a radix select on the ordered-integer keys (sampling._key, as uint32 with
      the sign bit flipped), DIGITS passes of BITS bits from the top: each pass writes, per chunk, a histogram of
      the digit of every key matching the prefix found so far, and a per-row program sums the chunks in chunk
      order and takes the largest digit whose keys at or above it, with those above the prefix, reach top_k:
      after the last pass the prefix is the k-th largest key;
-  3. top-p (rows with top_p < 1): the same select over the mass exp(x - max) of the keys at or above top-k's
-     threshold, for the largest key whose mass at or above it reaches top_p of the survivors' mass (summed by
-     the first pass): every token whose strictly larger survivors hold less than that is kept, ties at the edge
-     too, the top token always. A chunk's mass histogram is a [16, K] x [K, 16] product of one-hots of the
-     digit's two halves, one weighted by the mass, on the tensor cores;
-  4. per chunk, the Gumbel-max draw over its kept tokens (the same counter-based noise, min-p applied), ties to
-     the lowest token id; per row, the best of the chunk winners, ties to the lowest chunk.
-Histograms go to buffers, never through float atomics, and are summed in a fixed order: a seeded draw is the
+  3. the race: per chunk, the Gumbel-max winner among the survivors of top-k and min-p (the same counter-based
+     noise, ties to the lowest token id) and, for top-p rows, the survivors' mass exp(x - max); per row, the
+     best chunk winner is the candidate and top_p of the mass the target;
+  4. top-p by rejection: the kept set of top-p, and of min-p, is every survivor at or above some value, so the
+     race's winner among all survivors is the winner among the kept ones whenever it is kept itself, and it is
+     kept when the survivors strictly above it hold less than the target. Each round sums that mass per chunk
+     and, in the same read, races the survivors strictly above the candidate; a rejected candidate (nothing at
+     or below it is kept) gives way to that race's winner. A candidate is drawn from the survivors' own
+     distribution, so it is rejected with probability about 1 - top_p (0.05 at 0.95), and ROUNDS rounds settle
+     nearly every row; a row still open after them finishes in one program that repeats the round over its
+     whole row until its candidate is kept (each round raises the candidate strictly, so it ends).
+Chunk sums go to buffers, never through float atomics, and are summed in a fixed order: a seeded draw is the
 same run to run. The mass sums round in another order than the reference's or the per-row kernel's, so a row
 whose top-p edge lies within fp32 rounding of a token's mass may keep one token more or less; counts and the
-draw are exact. A pass a row does not need (no top-k, no top-p) is a launch whose programs for that row do
-nothing; greedy rows (inv_temperature 0) are left as they are in `out`.
+draw are exact. A program whose row does not need its pass (no top-k, no top-p, settled) does nothing; greedy
+rows (inv_temperature 0) are left as they are in `out`. The caller may say which filters no row uses
+(`top_k`, `top_p`, `min_p` False): their launches are then left out, and such a filter in a row is ignored.
+Each combination is its own set of compiled kernels (the sampler uses three: worker/executor/sampler.py).
 """
 import torch
 import triton
 import triton.language as tl
 
 from .reference import SAMPLE_FIELDS
-from .sampling import INT32_MIN, _key, _row_noise_keys, _scaled, _uniform
+from .sampling import INT32_MAX, INT32_MIN, _key, _race_to_top_p, _row_noise_keys, _scaled, _uniform
 
 BITS = 8  # digit width: a 2**BITS-bin histogram a pass
 DIGITS = 4  # 32-bit keys in 4 passes
 CHUNK = 1024  # logits per program: V = 128,256 is 126 programs a row, about one per SM of an H200 at batch 1
-SUB = 128  # logits per step of a mass histogram (at most the chunk): the K of its [16, SUB] x [SUB, 16] product
-# sample(split=None) takes this path for batches up to this many rows. Launched outside a CUDA graph it pays 18
-# launches (~480 us however small the batch), so it wins only where one program per row runs long: top-p alone
-# over 128k logits, 1,287 against 489 us at one row, 1,297 against 692 at 16, losing at 64 (H200,
-# benchmarks/sampling_bench.py --kernel). The engine's sampler picks per batch from the rows' settings
-# (worker/executor/sampler.py split_pays); this is the default for callers that do not.
+ROUNDS = 3  # top-p rejection rounds split across chunks before a row's own program finishes it
+FINISH_BLOCK = 1024  # logits a step of the finishing program
+# sample(split=None) takes this path for batches up to this many rows: one program per row leaves most SMs idle
+# there. The engine's sampler picks per batch from the rows' settings (worker/executor/sampler.py split_pays);
+# this is the default for callers that do not.
 SPLIT_ROWS = 16
 # State per row, int32 (fp32 fields as bit patterns): the max, top-k's prefix (ordered uint32 bits) and count
-# of keys above it, top-p's prefix and mass above it, top-p's target mass.
-ST_MAX, ST_K_PREFIX, ST_K_ABOVE, ST_P_PREFIX, ST_P_ABOVE, ST_TARGET = (tl.constexpr(i) for i in range(6))
+# of keys above it, top-p's target mass, the candidate token, its key, whether the row is settled.
+ST_MAX, ST_K_PREFIX, ST_K_ABOVE, ST_TARGET, ST_CAND, ST_CAND_KEY, ST_DONE = (tl.constexpr(i) for i in range(7))
 STATE_FIELDS = tl.constexpr(8)
 
 
@@ -52,236 +57,258 @@ def _ordered(key):
 
 
 @triton.jit
-def _matches(key, valid, floor, prefix, SHIFT: tl.constexpr, BITS: tl.constexpr, FIRST: tl.constexpr):
-    """The keys a pass counts: valid, at or above floor (top-k's threshold, for top-p), and (after the first pass)
-    sharing the row's prefix, the digits above bit SHIFT + BITS found so far (of the keys as _ordered)."""
-    match = valid & (key >= floor)
-    if not FIRST:
-        u = _ordered(key)
-        match &= (u >> (SHIFT + BITS)) == (prefix >> (SHIFT + BITS))
-    return match
-
-
-@triton.jit
-def _row_filters(p_i, p_f, V):
+def _row_filters(p_i, p_f, V, HAS_K: tl.constexpr, HAS_P: tl.constexpr):
+    """A row's inverse temperature, whether its top-k and top-p are on (not if the caller ruled them out), its
+    top_p and log_min_p (min-p is off where the max is not taken: x - (-inf) is never below it)."""
     inv_t = tl.load(p_f + 0)
-    top_k = tl.load(p_i + 1)
-    top_p = tl.load(p_f + 2)
-    return inv_t, top_k, top_p, (top_k > 0) & (top_k < V), top_p < 1.0
+    has_k = tl.full([], False, tl.int1)
+    if HAS_K:
+        top_k = tl.load(p_i + 1)
+        has_k = (top_k > 0) & (top_k < V)
+    top_p = tl.full([], 1.0, tl.float32)
+    if HAS_P:
+        top_p = tl.load(p_f + 2)
+    log_min_p = tl.load(p_f + 3)
+    return inv_t, has_k, top_p, top_p < 1.0, log_min_p
 
 
 @triton.jit
-def _hist_kernel(logits_ptr, stride_row, params_ptr, paramsf_ptr, stride_params, V, st_ptr, stf_ptr, cmax_ptr,
-                 hist_ptr, n_chunks, CHUNK: tl.constexpr, SUB: tl.constexpr, NB: tl.constexpr, BITS: tl.constexpr,
-                 SHIFT: tl.constexpr, FIRST: tl.constexpr, MASS: tl.constexpr, WITH_MAX: tl.constexpr):
-    """One chunk of one row: (WITH_MAX) its max; the histogram of one digit (bits SHIFT .. SHIFT + log2 NB) of
-    its keys matching the row's prefix (FIRST: every key): counts (top-k) or, MASS, the mass exp(x - max) of the
-    keys at or above top-k's threshold (top-p)."""
+def _hist_kernel(logits_ptr, stride_row, params_ptr, paramsf_ptr, stride_params, V, st_ptr, cmax_ptr, hist_ptr,
+                 n_chunks, CHUNK: tl.constexpr, NB: tl.constexpr, SHIFT: tl.constexpr, BITS: tl.constexpr,
+                 FIRST: tl.constexpr, WITH_MAX: tl.constexpr, HAS_K: tl.constexpr):
+    """One chunk of one row: (WITH_MAX) its max; (HAS_K) the count histogram of one digit (bits SHIFT .. SHIFT +
+    BITS) of its keys matching the row's top-k prefix (FIRST: every key)."""
     row = tl.program_id(0)
     c = tl.program_id(1)
     p_i = params_ptr + row * stride_params
     p_f = paramsf_ptr + row * stride_params
-    inv_t, top_k, top_p, has_k, has_p = _row_filters(p_i, p_f, V)
+    inv_t, has_k, _, _, _ = _row_filters(p_i, p_f, V, HAS_K, False)
     base = logits_ptr + row.to(tl.int64) * stride_row
-    start = c * CHUNK
+    offs = c * CHUNK + tl.arange(0, CHUNK)
+    valid = offs < V
     if WITH_MAX:
         if inv_t > 0.0:
-            offs = start + tl.arange(0, CHUNK)
-            tl.store(cmax_ptr + row * n_chunks + c, tl.max(_scaled(base, offs, offs < V, inv_t), axis=0))
-    bins = tl.arange(0, NB)
-    out = hist_ptr + (row * n_chunks + c).to(tl.int64) * NB + bins
-    if MASS:
-        if (inv_t > 0.0) & has_p:
-            m = tl.load(stf_ptr + row * STATE_FIELDS + ST_MAX)
-            prefix = tl.load(st_ptr + row * STATE_FIELDS + ST_P_PREFIX).to(tl.uint32, bitcast=True)
-            floor = tl.full([], INT32_MIN, tl.int32)
-            if has_k:
-                floor = tl.load(st_ptr + row * STATE_FIELDS + ST_K_PREFIX) ^ INT32_MIN
-            # digit = 16 * hi + lo: the mass per (hi, lo) is the product of the [16, SUB] mass-weighted one-hots of
-            # hi and the [SUB, 16] one-hots of lo, on the tensor cores (tf32x3: fp32-accurate, the 0/1 factor
-            # exact, a fixed summation order), not 256 compares and adds per logit
-            NH: tl.constexpr = 1 << (BITS // 2)
-            r = tl.arange(0, NH)
-            acc = tl.zeros([NH, NH], tl.float32)
-            offs = start + tl.arange(0, CHUNK)
-            key = _key(_scaled(base, offs, offs < V, inv_t))
-            # later passes match few keys: most chunks, and most steps of the rest, skip; the whole-chunk read
-            # also brings the chunk into L1 for the steps
-            if tl.max(_matches(key, offs < V, floor, prefix, SHIFT, BITS, FIRST).to(tl.int32), axis=0) > 0:
-                for s in range(0, CHUNK, SUB):
-                    o = start + s + tl.arange(0, SUB)
-                    valid = o < V
-                    x = _scaled(base, o, valid, inv_t)
-                    k = _key(x)
-                    match = _matches(k, valid, floor, prefix, SHIFT, BITS, FIRST)
-                    if tl.max(match.to(tl.int32), axis=0) > 0:
-                        d = ((_ordered(k) >> SHIFT) & (NB - 1)).to(tl.int32)
-                        e = tl.where(match, tl.exp(x - m), 0.0)
-                        a = tl.where((d >> (BITS // 2))[None, :] == r[:, None], e[None, :], 0.0)
-                        b = ((d & (NH - 1))[:, None] == r[None, :]).to(tl.float32)
-                        acc = tl.dot(a, b, acc, input_precision="tf32x3")
-            tl.store(out, tl.reshape(acc, [NB]))
-    else:
+            tl.store(cmax_ptr + row * n_chunks + c, tl.max(_scaled(base, offs, valid, inv_t), axis=0))
+    if HAS_K:
         if (inv_t > 0.0) & has_k:
-            offs = start + tl.arange(0, CHUNK)
-            valid = offs < V
             key = _key(_scaled(base, offs, valid, inv_t))
-            prefix = tl.load(st_ptr + row * STATE_FIELDS + ST_K_PREFIX).to(tl.uint32, bitcast=True)
-            match = _matches(key, valid, INT32_MIN, prefix, SHIFT, BITS, FIRST)
+            match = valid
+            if not FIRST:
+                prefix = tl.load(st_ptr + row * STATE_FIELDS + ST_K_PREFIX).to(tl.uint32, bitcast=True)
+                match &= (_ordered(key) >> (SHIFT + BITS)) == (prefix >> (SHIFT + BITS))
             d = tl.where(match, ((_ordered(key) >> SHIFT) & (NB - 1)).to(tl.int32), 0)
+            out = hist_ptr + (row * n_chunks + c).to(tl.int64) * NB + tl.arange(0, NB)
             tl.store(out, tl.histogram(d, NB, mask=match))
 
 
 @triton.jit
 def _select_kernel(params_ptr, paramsf_ptr, stride_params, V, st_ptr, stf_ptr, cmax_ptr, hist_ptr, n_chunks,
-                   NB: tl.constexpr, SHIFT: tl.constexpr, FIRST: tl.constexpr, MASS: tl.constexpr,
-                   WITH_MAX: tl.constexpr, CBLOCK: tl.constexpr, CTILE: tl.constexpr):
-    """One row: (WITH_MAX) the max of its chunk maxima; the pass's digit from the chunks' histograms, summed in
-    chunk order (CTILE chunks a step), appended to the row's prefix."""
+                   NB: tl.constexpr, SHIFT: tl.constexpr, FIRST: tl.constexpr, WITH_MAX: tl.constexpr,
+                   HAS_K: tl.constexpr, CBLOCK: tl.constexpr, CTILE: tl.constexpr):
+    """One row: (WITH_MAX) the max of its chunk maxima; (HAS_K) the pass's digit from the chunks' histograms,
+    summed in chunk order (CTILE chunks a step), appended to the row's top-k prefix."""
     row = tl.program_id(0)
     p_i = params_ptr + row * stride_params
     p_f = paramsf_ptr + row * stride_params
-    inv_t, top_k, top_p, has_k, has_p = _row_filters(p_i, p_f, V)
+    inv_t, has_k, _, _, _ = _row_filters(p_i, p_f, V, HAS_K, False)
+    top_k = tl.load(p_i + 1)
     st = st_ptr + row * STATE_FIELDS
-    stf = stf_ptr + row * STATE_FIELDS
     if WITH_MAX:
         if inv_t > 0.0:
             cs = tl.arange(0, CBLOCK)
-            tl.store(stf + ST_MAX, tl.max(tl.load(cmax_ptr + row * n_chunks + cs, mask=cs < n_chunks,
-                                                  other=float("-inf")), axis=0))
-    if MASS:
-        active = (inv_t > 0.0) & has_p
-    else:
-        active = (inv_t > 0.0) & has_k
-    if active:
-        j = tl.arange(0, NB)  # place j holds digit NB - 1 - j: a running sum over j is the mass at or above
-        ct = tl.arange(0, CTILE)
-        if MASS:
-            h = tl.zeros([NB], tl.float32)
-        else:
+            tl.store(stf_ptr + row * STATE_FIELDS + ST_MAX,
+                     tl.max(tl.load(cmax_ptr + row * n_chunks + cs, mask=cs < n_chunks, other=float("-inf")),
+                            axis=0))
+    if HAS_K:
+        if (inv_t > 0.0) & has_k:
+            j = tl.arange(0, NB)  # place j holds digit NB - 1 - j: a running sum over j is the count at or above
+            ct = tl.arange(0, CTILE)
             h = tl.zeros([NB], tl.int32)
-        for c0 in range(0, n_chunks, CTILE):
-            cc = c0 + ct
-            tile = tl.load(hist_ptr + (row * n_chunks + cc[:, None]).to(tl.int64) * NB + (NB - 1 - j)[None, :],
-                           mask=(cc < n_chunks)[:, None], other=0)
-            if MASS:
-                h += tl.sum(tile.to(tl.float32, bitcast=True), axis=0)
-            else:
+            for c0 in range(0, n_chunks, CTILE):
+                cc = c0 + ct
+                tile = tl.load(hist_ptr + (row * n_chunks + cc[:, None]).to(tl.int64) * NB + (NB - 1 - j)[None, :],
+                               mask=(cc < n_chunks)[:, None], other=0)
                 h += tl.sum(tile, axis=0)
-        at_or_above = tl.cumsum(h, axis=0)
-        if MASS:
-            if FIRST:
-                target = top_p * tl.sum(h, axis=0)
-                tl.store(stf + ST_TARGET, target)
-                above = tl.full([], 0.0, tl.float32)
-                prefix = tl.full([], 0, tl.int32)
-            else:
-                target = tl.load(stf + ST_TARGET)
-                above = tl.load(stf + ST_P_ABOVE)
-                prefix = tl.load(st + ST_P_PREFIX)
-            ok = above + at_or_above >= target
-            present = h > 0.0
-        else:
             if FIRST:
                 above = tl.full([], 0, tl.int32)
                 prefix = tl.full([], 0, tl.int32)
             else:
                 above = tl.load(st + ST_K_ABOVE)
                 prefix = tl.load(st + ST_K_PREFIX)
-            ok = above + at_or_above >= top_k
-            present = h > 0
-        pick = tl.min(tl.where(ok, j, NB), axis=0)
-        # counts reach top_k exactly; a mass re-summed finer can round below the target its coarser bin reached:
-        # then the lowest digit holding mass, which keeps the most
-        pick = tl.where(pick == NB, tl.max(tl.where(present, j, 0), axis=0), pick)
-        above = above + tl.sum(tl.where(j < pick, h, 0), axis=0)
-        prefix = prefix | ((NB - 1 - pick) << SHIFT)
-        if MASS:
-            tl.store(st + ST_P_PREFIX, prefix)
-            tl.store(stf + ST_P_ABOVE, above)
-        else:
-            tl.store(st + ST_K_PREFIX, prefix)
-            tl.store(st + ST_K_ABOVE, above)
+            pick = tl.min(tl.where(above + tl.cumsum(h, axis=0) >= top_k, j, NB), axis=0)
+            tl.store(st + ST_K_ABOVE, above + tl.sum(tl.where(j < pick, h, 0), axis=0))
+            tl.store(st + ST_K_PREFIX, prefix | ((NB - 1 - pick) << SHIFT))
 
 
 @triton.jit
-def _draw_kernel(logits_ptr, stride_row, params_ptr, paramsf_ptr, stride_params, V, st_ptr, stf_ptr, val_ptr,
-                 idx_ptr, n_chunks, CHUNK: tl.constexpr):
-    """One chunk of one row: the Gumbel-max winner among its kept tokens (ties to the lowest token id)."""
+def _survivors(base, offs, valid, inv_t, st, has_k):
+    """A block's scaled logits, their keys, and which of them survive top-k (at or above its threshold)."""
+    x = _scaled(base, offs, valid, inv_t)
+    key = _key(x)
+    floor = tl.full([], INT32_MIN, tl.int32)
+    if has_k:
+        floor = tl.load(st + ST_K_PREFIX) ^ INT32_MIN
+    return x, key, valid & (key >= floor)
+
+
+@triton.jit
+def _race_kernel(logits_ptr, stride_row, params_ptr, paramsf_ptr, stride_params, V, st_ptr, stf_ptr, val_ptr,
+                 idx_ptr, mass_ptr, n_chunks, CHUNK: tl.constexpr, FIRST: tl.constexpr, WITH_MAX: tl.constexpr,
+                 HAS_K: tl.constexpr, HAS_P: tl.constexpr):
+    """One chunk of one row: the Gumbel-max winner among its survivors of top-k and min-p (FIRST) or among those
+    strictly above the row's candidate, and (top-p rows) those survivors' mass."""
     row = tl.program_id(0)
     c = tl.program_id(1)
     p_i = params_ptr + row * stride_params
     p_f = paramsf_ptr + row * stride_params
-    inv_t, top_k, top_p, has_k, has_p = _row_filters(p_i, p_f, V)
-    if inv_t > 0.0:
-        log_min_p = tl.load(p_f + 3)
-        k1, k2 = _row_noise_keys(p_i)
-        thr = tl.full([], INT32_MIN, tl.int32)  # keep keys >= thr
-        if has_k:
-            thr = tl.load(st_ptr + row * STATE_FIELDS + ST_K_PREFIX) ^ INT32_MIN
-        if has_p:
-            thr = tl.load(st_ptr + row * STATE_FIELDS + ST_P_PREFIX) ^ INT32_MIN
-        m = tl.load(stf_ptr + row * STATE_FIELDS + ST_MAX)
+    inv_t, has_k, top_p, has_p, log_min_p = _row_filters(p_i, p_f, V, HAS_K, HAS_P)
+    st = st_ptr + row * STATE_FIELDS
+    stf = stf_ptr + row * STATE_FIELDS
+    live = inv_t > 0.0
+    if not FIRST:
+        live &= tl.load(st + ST_DONE) == 0
+    if live:
+        m = tl.full([], float("-inf"), tl.float32)  # -inf without min-p or top-p: x - m never below log_min_p
+        if WITH_MAX:
+            m = tl.load(stf + ST_MAX)
         offs = c * CHUNK + tl.arange(0, CHUNK)
-        valid = offs < V
-        x = _scaled(logits_ptr + row.to(tl.int64) * stride_row, offs, valid, inv_t)
-        keep = valid & (_key(x) >= thr) & (x - m >= log_min_p)  # log_min_p -inf: off
+        x, key, surv = _survivors(logits_ptr + row.to(tl.int64) * stride_row, offs, offs < V, inv_t, st, has_k)
+        if not FIRST:
+            surv &= key > tl.load(st + ST_CAND_KEY)
+        if HAS_P:
+            if has_p:
+                tl.store(mass_ptr + row * n_chunks + c, tl.sum(tl.where(surv, tl.exp(x - m), 0.0), axis=0))
+        k1, k2 = _row_noise_keys(p_i)
         u = _uniform(offs.to(tl.uint32), k1, k2)
-        score = tl.where(keep, x - tl.log(-tl.log(u)), float("-inf"))
+        score = tl.where(surv & (x - m >= log_min_p), x - tl.log(-tl.log(u)), float("-inf"))
         val, i = tl.max(score, axis=0, return_indices=True, return_indices_tie_break_left=True)
         tl.store(val_ptr + row * n_chunks + c, val)
         tl.store(idx_ptr + row * n_chunks + c, c * CHUNK + i)
 
 
 @triton.jit
-def _pick_kernel(paramsf_ptr, stride_params, val_ptr, idx_ptr, out_ptr, n_chunks, CBLOCK: tl.constexpr):
-    """One row: the best chunk winner, ties to the lowest chunk (the lowest token id, as the per-row kernel)."""
+def _settle(logits_ptr, stride_row, inv_t, st, cand, keep, out_ptr, row):
+    """Draw the candidate (keep), or record it as the row's new candidate with its key."""
+    if keep:
+        tl.store(out_ptr + row, cand.to(tl.int64))
+        tl.store(st + ST_DONE, 1)
+    else:
+        x = tl.load(logits_ptr + row.to(tl.int64) * stride_row + cand).to(tl.float32) * inv_t
+        tl.store(st + ST_CAND, cand)
+        tl.store(st + ST_CAND_KEY, _key(x))
+        tl.store(st + ST_DONE, 0)
+
+
+@triton.jit
+def _race_select_kernel(logits_ptr, stride_row, params_ptr, paramsf_ptr, stride_params, V, st_ptr, stf_ptr,
+                        val_ptr, idx_ptr, mass_ptr, out_ptr, n_chunks, FIRST: tl.constexpr, HAS_K: tl.constexpr,
+                        HAS_P: tl.constexpr, CBLOCK: tl.constexpr):
+    """One row: the best chunk winner (ties to the lowest chunk, so the lowest token id) and the mass summed in
+    chunk order. FIRST: the winner is drawn, or for a top-p row becomes the candidate and top_p of the mass the
+    target. Later: the candidate is drawn if the mass above it is below the target, else the winner above it
+    becomes the candidate."""
     row = tl.program_id(0)
-    if tl.load(paramsf_ptr + row * stride_params) > 0.0:
+    p_i = params_ptr + row * stride_params
+    p_f = paramsf_ptr + row * stride_params
+    inv_t, has_k, top_p, has_p, _ = _row_filters(p_i, p_f, V, HAS_K, HAS_P)
+    st = st_ptr + row * STATE_FIELDS
+    stf = stf_ptr + row * STATE_FIELDS
+    live = inv_t > 0.0
+    if not FIRST:
+        live &= tl.load(st + ST_DONE) == 0
+    if live:
         cs = tl.arange(0, CBLOCK)
-        live = cs < n_chunks
-        val = tl.load(val_ptr + row * n_chunks + cs, mask=live, other=float("-inf"))
-        idx = tl.load(idx_ptr + row * n_chunks + cs, mask=live, other=2**31 - 1)
+        in_row = cs < n_chunks
+        val = tl.load(val_ptr + row * n_chunks + cs, mask=in_row, other=float("-inf"))
+        idx = tl.load(idx_ptr + row * n_chunks + cs, mask=in_row, other=INT32_MAX)
         best = tl.max(val, axis=0)
-        tl.store(out_ptr + row, tl.min(tl.where(live & (val == best), idx, 2**31 - 1), axis=0).to(tl.int64))
+        winner = tl.min(tl.where(in_row & (val == best), idx, INT32_MAX), axis=0)
+        mass = tl.full([], 0.0, tl.float32)
+        if HAS_P:
+            if has_p:
+                mass = tl.sum(tl.load(mass_ptr + row * n_chunks + cs, mask=in_row, other=0.0), axis=0)
+        if FIRST:
+            if has_p:
+                tl.store(stf + ST_TARGET, top_p * mass)
+            _settle(logits_ptr, stride_row, inv_t, st, winner, has_p == 0, out_ptr, row)
+        else:
+            # kept: the survivors strictly above hold less than the target, or nothing survives above it
+            keep = (mass < tl.load(stf + ST_TARGET)) | (best == float("-inf"))
+            _settle(logits_ptr, stride_row, inv_t, st, tl.where(keep, tl.load(st + ST_CAND), winner), keep,
+                    out_ptr, row)
 
 
-def sample_split(logits: torch.Tensor, params: torch.Tensor, out: torch.Tensor, chunk: int = CHUNK) -> torch.Tensor:
-    """sampling.sample's draw over R * ceil(V / chunk) programs (chunk a power of two, at least 16): the
-    same arguments, the same tokens (but at a top-p edge within fp32 rounding), in 2 + 4 * DIGITS launches."""
+@triton.jit
+def _race_finish_kernel(logits_ptr, stride_row, params_ptr, paramsf_ptr, stride_params, V, st_ptr, stf_ptr,
+                        out_ptr, BLOCK: tl.constexpr, HAS_K: tl.constexpr):
+    """One row still open after the split rounds: the per-row kernel's rounds over its whole row, until its
+    candidate is kept."""
+    row = tl.program_id(0)
+    p_i = params_ptr + row * stride_params
+    p_f = paramsf_ptr + row * stride_params
+    inv_t, has_k, _, _, log_min_p = _row_filters(p_i, p_f, V, HAS_K, True)
+    st = st_ptr + row * STATE_FIELDS
+    stf = stf_ptr + row * STATE_FIELDS
+    if inv_t > 0.0:
+        if tl.load(st + ST_DONE) == 0:
+            floor = tl.full([], INT32_MIN, tl.int32)
+            if has_k:
+                floor = tl.load(st + ST_K_PREFIX) ^ INT32_MIN
+            k1, k2 = _row_noise_keys(p_i)
+            token = _race_to_top_p(logits_ptr + row.to(tl.int64) * stride_row, V, inv_t, tl.load(stf + ST_MAX),
+                                   floor, log_min_p, k1, k2, tl.load(stf + ST_TARGET), tl.load(st + ST_CAND),
+                                   tl.load(st + ST_CAND_KEY), BLOCK)
+            tl.store(out_ptr + row, token.to(tl.int64))
+
+
+def sample_split(logits: torch.Tensor, params: torch.Tensor, out: torch.Tensor, chunk: int = CHUNK,
+                 top_k: bool = True, top_p: bool = True, min_p: bool = True, rounds: int = ROUNDS) -> torch.Tensor:
+    """sampling.sample's draw over R * ceil(V / chunk) programs (chunk a power of two, at least 16): the same
+    arguments, the same tokens (but at a top-p edge within fp32 rounding). top_k, top_p, min_p: whether any row
+    may use that filter (False leaves its launches out: 2 launches for temperature alone, 5 + 2 * rounds for
+    top-p, 8 more for top-k)."""
     R, V = logits.shape
     assert chunk >= 16 and chunk & (chunk - 1) == 0, chunk
     n_chunks = triton.cdiv(V, chunk)
-    dev = logits.device
     nb = 1 << BITS
-    state = torch.empty((R, STATE_FIELDS.value), dtype=torch.int32, device=dev)
-    statef = state.view(torch.float32)
-    cmax = torch.empty((R, n_chunks), dtype=torch.float32, device=dev)
-    hist = torch.empty((R, n_chunks, nb), dtype=torch.int32, device=dev)
-    histf = hist.view(torch.float32)
-    win_val = torch.empty((R, n_chunks), dtype=torch.float32, device=dev)
-    win_idx = torch.empty((R, n_chunks), dtype=torch.int32, device=dev)
+    # one workspace, cut into 16-byte aligned pieces (Triton compiles a variant per pointer alignment): one
+    # allocation a draw instead of six
+    shapes = [(R, STATE_FIELDS.value), (R, n_chunks), (R, n_chunks, nb) if top_k else (1,), (R, n_chunks),
+              (R, n_chunks), (R, n_chunks)]
+    sizes = [-(-torch.Size(s).numel() // 4) * 4 for s in shapes]
+    work = torch.empty(sum(sizes), dtype=torch.int32, device=logits.device)
+    pieces, at = [], 0
+    for shape, size in zip(shapes, sizes, strict=True):
+        pieces.append(work[at: at + torch.Size(shape).numel()].view(shape))
+        at += size
+    state, cmax, hist, win_val, win_idx, mass = pieces
+    statef, cmax, win_val, mass = (t.view(torch.float32) for t in (state, cmax, win_val, mass))
     paramsf = params.view(torch.float32)
     cblock = triton.next_power_of_2(n_chunks)
-    ctile = min(16, cblock)
     rows, grid = (R,), (R, n_chunks)
     # no FMA contraction: x * inv_t and x - max round as in the reference, so thresholds and ties agree
     opts = dict(num_warps=4, enable_fp_fusion=False)
-    sub = min(SUB, chunk)
-    for mass in (False, True):
-        h = histf if mass else hist
-        for p in range(DIGITS):
-            shift = BITS * (DIGITS - 1 - p)
-            with_max = not mass and p == 0  # the max pass and top-k's first histogram read the chunk once
-            _hist_kernel[grid](logits, logits.stride(0), params, paramsf, params.stride(0), V, state, statef, cmax,
-                               h, n_chunks, CHUNK=chunk, SUB=sub, NB=nb, BITS=BITS, SHIFT=shift, FIRST=p == 0,
-                               MASS=mass, WITH_MAX=with_max, **opts)
-            _select_kernel[rows](params, paramsf, params.stride(0), V, state, statef, cmax, hist, n_chunks, NB=nb,
-                                 SHIFT=shift, FIRST=p == 0, MASS=mass, WITH_MAX=with_max, CBLOCK=cblock,
-                                 CTILE=ctile, **opts)
-    _draw_kernel[grid](logits, logits.stride(0), params, paramsf, params.stride(0), V, state, statef, win_val,
-                       win_idx, n_chunks, CHUNK=chunk, **opts)
-    _pick_kernel[rows](paramsf, params.stride(0), win_val, win_idx, out, n_chunks, CBLOCK=cblock, **opts)
+    with_max = top_p or min_p
+    for p in range(DIGITS if top_k else 1 if with_max else 0):
+        shift = BITS * (DIGITS - 1 - p)
+        first = p == 0  # the max pass and top-k's first histogram read the chunk once
+        _hist_kernel[grid](logits, logits.stride(0), params, paramsf, params.stride(0), V, state, cmax, hist,
+                           n_chunks, CHUNK=chunk, NB=nb, SHIFT=shift, BITS=BITS, FIRST=first,
+                           WITH_MAX=first and with_max, HAS_K=top_k, **opts)
+        _select_kernel[rows](params, paramsf, params.stride(0), V, state, statef, cmax, hist, n_chunks, NB=nb,
+                             SHIFT=shift, FIRST=first, WITH_MAX=first and with_max, HAS_K=top_k, CBLOCK=cblock,
+                             CTILE=min(16, cblock), **opts)
+    flags = dict(HAS_K=top_k, HAS_P=top_p)
+    for r in range(1 + rounds if top_p else 1):
+        _race_kernel[grid](logits, logits.stride(0), params, paramsf, params.stride(0), V, state, statef, win_val,
+                           win_idx, mass, n_chunks, CHUNK=chunk, FIRST=r == 0, WITH_MAX=with_max, **flags,
+                           **opts)
+        _race_select_kernel[rows](logits, logits.stride(0), params, paramsf, params.stride(0), V, state, statef,
+                                  win_val, win_idx, mass, out, n_chunks, FIRST=r == 0, CBLOCK=cblock, **flags,
+                                  **opts)
+    if top_p:
+        _race_finish_kernel[rows](logits, logits.stride(0), params, paramsf, params.stride(0), V, state, statef,
+                                  out, BLOCK=min(FINISH_BLOCK, triton.next_power_of_2(V)), HAS_K=top_k, **opts)
     return out
 
 

@@ -89,7 +89,7 @@ class Spy:
 
         class Kernel:
             @staticmethod
-            def sample(x, params, out=None, split=None):  # the reference has one path: split draws the same
+            def sample(x, params, out=None, split=None, filters=None):  # the reference has one path: the same draw
                 self.seen.append(x.clone())
                 return draw(x, params, out)
 
@@ -211,6 +211,7 @@ def test_split_sampling_path_only_for_small_batches_with_a_whole_row_top_p():
             r.view(np.float32)[i, ref.INV_TEMPERATURE] = 0.0 if temp == 0 else 1.0 / temp
             r[i, ref.TOP_K] = top_k
             r.view(np.float32)[i, ref.TOP_P] = top_p
+            r.view(np.float32)[i, ref.LOG_MIN_P] = -np.inf  # min-p off, as sampling_state records it
         return r, r[:, ref.INV_TEMPERATURE] == 0
 
     assert sampler.split_pays(*rows((1.0, 0, 0.95)))
@@ -220,3 +221,11 @@ def test_split_sampling_path_only_for_small_batches_with_a_whole_row_top_p():
     assert not sampler.split_pays(*rows((0.8, 50, 0.95)))  # top-p inside top-k's buffer
     assert not sampler.split_pays(*rows((0.0, 0, 0.95)))  # a greedy row's top-p is never used
     assert not sampler.split_pays(*rows(*[(1.0, 0, 0.95)] * (sampler.SPLIT_MAX_ROWS + 1)))
+    # the launch class covers every sampled row's filters, and ignores the greedy rows'
+    plain, with_p, every = sampler.SPLIT_CLASSES
+    assert sampler.split_class(*rows((1.0, 0, 1.0), (0.0, 40, 0.5))) == plain
+    assert sampler.split_class(*rows((1.0, 0, 1.0), (0.8, 0, 0.9))) == with_p
+    assert sampler.split_class(*rows((1.0, 0, 0.9), (0.8, 1000, 1.0))) == every
+    r, greedy = rows((1.0, 0, 1.0))
+    r.view(np.float32)[0, ref.LOG_MIN_P] = -3.0  # min-p needs the row's max, as top-p does
+    assert sampler.split_class(r, greedy) == with_p

@@ -113,6 +113,26 @@ def test_split_path_matches_per_row_kernel_and_reference(rows, scale):
     assert vs_per_row <= math.ceil(0.01 * draws) and vs_ref <= math.ceil(0.01 * draws), (vs_per_row, vs_ref)
 
 
+def test_split_top_p_finishing_program_draws_what_the_rounds_draw():
+    """Top-p settled by the finishing program alone (rounds 0: one program repeats the round over its whole row)
+    against the split rounds and the reference, flat logits at the 8B vocabulary and small to large top_p."""
+    from pagefleet.kernels import reference as ref
+    from pagefleet.kernels import sampling_split
+
+    g = torch.Generator(device="cuda").manual_seed(9)
+    top_p = [0.1, 0.3, 0.5, 0.8, 0.9, 0.95, 0.99, 0.5] * 2
+    off = 0
+    for step in range(4):
+        x = (torch.randn(16, V, generator=g, device="cuda") * 0.3).to(torch.bfloat16)
+        rec = records(1.0, 0, top_p, seed=np.arange(16) * 31 + step, position=step).cuda()
+        out = torch.full((16,), -1, dtype=torch.int64, device="cuda")
+        finished = sampling_split.sample_split(x, rec, out.clone(), rounds=0, top_k=False)
+        rounds = sampling_split.sample_split(x, rec, out.clone(), top_k=False)
+        want = ref.sample(x, rec, out.clone())
+        off += int((finished != rounds).sum()) + int((rounds != want).sum())
+    assert off <= 2, off  # only where a top-p edge lies within the rounding of the mass sums
+
+
 def test_split_path_replays_in_a_cuda_graph():
     """The split path captured once in a CUDA graph (a fixed sequence of launches, no host sync) and replayed
     over new logits and output positions draws what it draws eagerly."""

@@ -167,20 +167,28 @@ def test_split_kernels_compile_for_hopper_without_fma(dtype):
     row = {"params_ptr": "*i32", "paramsf_ptr": "*fp32", "stride_params": "i32", "V": "i32", "st_ptr": "*i32",
            "stf_ptr": "*fp32"}
     chunk = {"logits_ptr": dtype, "stride_row": "i32"}
+    race = {"val_ptr": "*fp32", "idx_ptr": "*i32", "mass_ptr": "*fp32", "n_chunks": "i32"}
     nb = 1 << split.BITS
     variants = []
-    for mass in (False, True):
+    for top_k, top_p in ((False, False), (False, True), (True, True)):  # the sampler's launch classes
         for first in (True, False):
-            flags = {"NB": nb, "SHIFT": 0 if first else 8, "FIRST": first, "MASS": mass, "WITH_MAX": first and not mass}
-            variants.append((split._hist_kernel, {**chunk, **row, "cmax_ptr": "*fp32",
-                                                  "hist_ptr": "*fp32" if mass else "*i32", "n_chunks": "i32"},
-                             {"CHUNK": split.CHUNK, "SUB": split.SUB, "BITS": split.BITS, **flags}))
-            variants.append((split._select_kernel, {**row, "cmax_ptr": "*fp32", "hist_ptr": "*i32",
-                                                    "n_chunks": "i32"}, {"CBLOCK": 128, "CTILE": 16, **flags}))
-    variants.append((split._draw_kernel, {**chunk, **row, "val_ptr": "*fp32", "idx_ptr": "*i32", "n_chunks": "i32"},
-                     {"CHUNK": split.CHUNK}))
-    variants.append((split._pick_kernel, {"paramsf_ptr": "*fp32", "stride_params": "i32", "val_ptr": "*fp32",
-                                          "idx_ptr": "*i32", "out_ptr": "*i64", "n_chunks": "i32"}, {"CBLOCK": 128}))
+            if top_k or first:  # the max pass alone (FIRST) without top-k
+                flags = {"NB": nb, "SHIFT": 24 if first else 16, "BITS": split.BITS, "FIRST": first,
+                         "WITH_MAX": first and top_p, "HAS_K": top_k}
+                variants.append((split._hist_kernel, {**chunk, **row, "cmax_ptr": "*fp32", "hist_ptr": "*i32",
+                                                      "n_chunks": "i32"}, {"CHUNK": split.CHUNK, **flags}))
+                flags.pop("BITS")
+                variants.append((split._select_kernel, {**row, "cmax_ptr": "*fp32", "hist_ptr": "*i32",
+                                                        "n_chunks": "i32"}, {"CBLOCK": 128, "CTILE": 16, **flags}))
+            if top_p or first:
+                flags = {"FIRST": first, "HAS_K": top_k, "HAS_P": top_p}
+                variants.append((split._race_kernel, {**chunk, **row, **race},
+                                 {"CHUNK": split.CHUNK, "WITH_MAX": top_p, **flags}))
+                variants.append((split._race_select_kernel, {**chunk, **row, **race, "out_ptr": "*i64"},
+                                 {"CBLOCK": 128, **flags}))
+        if top_p:
+            variants.append((split._race_finish_kernel, {**chunk, **row, "out_ptr": "*i64"},
+                             {"BLOCK": split.FINISH_BLOCK, "HAS_K": top_k}))
     for fn, sig, constexprs in variants:
         sig = {**sig, **{k: "constexpr" for k in constexprs}}
         sig = {name: sig[name] for name in fn.arg_names}  # in the kernel's argument order

@@ -205,6 +205,47 @@ def test_triton_split_matches_per_row_and_reference(dtype, step):
     assert got[4] == got[12] == -5 and got[9] == 100 and got[7] in (5, 150, 151, V - 1) and got[10] % 7 != 0
 
 
+@pytest.mark.parametrize("rounds", [0, 1, 3])
+def test_triton_split_top_p_rejection_settles_in_rounds_or_its_finishing_program(rounds):
+    """Top-p by rejection over flat logits and small top_p, where the race's first winner usually falls outside
+    the nucleus: the rows settle in the split rounds or, with rounds 0 or 1, mostly in the finishing program that
+    repeats the round over the whole row; every row draws the reference's token, with top-k and min-p beside."""
+    from pagefleet.kernels import sampling_split
+
+    V = 333
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(16, V, generator=g) * 0.4
+    top_p = [0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 0.9, 0.95] * 2
+    top_k = [0] * 8 + [200, 0, 150, 0, 300, 0, 100, 0]
+    min_p = [0.0] * 12 + [0.0, 0.6, 0.0, 0.5]
+    rec = records(1.0, top_k, top_p, min_p, seed=np.arange(16) * 13 + rounds, position=np.arange(16))
+    out = torch.full((16,), -5, dtype=torch.int64)
+    got = sampling_split.sample_split(x, rec, out.clone(), chunk=64, rounds=rounds)
+    want = ref.sample(x, rec, out.clone())
+    assert torch.equal(got, want), (got, want)
+    unfiltered = ref.sample(x, records(1.0, seed=np.arange(16) * 13 + rounds, position=np.arange(16)))
+    assert int((unfiltered != want).sum()) >= 6  # the first candidate was rejected in these rows
+
+
+def test_triton_split_filter_classes_leave_out_launches_and_draw_the_same():
+    """The split path told which filters no row uses (the sampler's three classes) draws what the full path
+    draws on rows that use only the filters left in; temperature alone needs neither the max nor the rounds."""
+    from pagefleet.kernels import sampling_split
+
+    V = 200
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(6, V, generator=g) * 2.0
+    plain = records([1.0, 0.7, 0.0, 1.3, 1.0, 2.0], seed=np.arange(6) + 1, position=2)
+    narrowed = records([1.0, 0.7, 0.0, 1.3, 1.0, 2.0], 0, [0.9, 1.0, 0.5, 0.6, 0.95, 1.0],
+                       [0.0, 0.1, 0.0, 0.0, 0.05, 0.2], seed=np.arange(6) + 1, position=2)
+    out = torch.full((6,), -5, dtype=torch.int64)
+    for rec, filters in ((plain, (False, False, False)), (narrowed, (False, True, True))):
+        got = sampling_split.sample_split(x, rec, out.clone(), chunk=64, top_k=filters[0], top_p=filters[1],
+                                          min_p=filters[2])
+        full = sampling_split.sample_split(x, rec, out.clone(), chunk=64)
+        assert torch.equal(got, full) and torch.equal(got, ref.sample(x, rec, out.clone())) and got[2] == -5
+
+
 def test_triton_split_ties_and_the_automatic_switch():
     """Every tied token at a threshold is drawable through the split path (top-k 2 and top-p 0.3 over three tied
     at the top, one in each chunk of 16), as in the reference; split=None splits a batch of split_rows rows or

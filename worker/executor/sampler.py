@@ -48,13 +48,18 @@ def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch
 
 
 
-# The split sampling path (kernels/sampling_split.py) against one program per row, launched as this sampler
-# launches them, bf16 logits of 128,256 (H200, benchmarks/sampling_bench.py --kernel): top-p 0.95 alone at 1, 4,
-# 16 rows 489 / 487 / 692 us against 1,287 / 1,285 / 1,297, at 64 rows 1,664 against 1,310; every other setting
-# (temperature 1, top-k 50, top-k then top-p, min-p) 476-625 us against 124-146. So the split path is for small
-# batches with a row whose top-p searches the whole vocabulary (no top-k of at most SMALL_TOP_K before it).
+# The split sampling path (kernels/sampling_split.py) against one program per row, bf16 logits of 128,256, us on an
+# H100 (benchmarks/sampling_bench.py --kernel): top-p 0.95 at 1 / 16 / 64 rows takes 22 / 42 / 109 of device time
+# (replayed as one graph) against 163 / 163 / 224, but 336 launched one by one: its 9 launches cost the host more
+# than the device. The engine launches sampling while the device still runs the step's forward, so where the
+# forward is long (an 8B model) the device time is what a step pays. Temperature alone: 9 / 15 / 37 against 90,
+# and top-k 50 86 / 126 / 254 against 142-146, so the split path is for small batches with a row whose top-p
+# searches the whole vocabulary (no top-k of at most SMALL_TOP_K before it).
 SPLIT_MAX_ROWS = 16
 SMALL_TOP_K = 256  # the per-row kernel's small buffer (kernels/sampling.py SMALL): top-p works inside it
+# The split path's launch classes (top-k, top-p, min-p: whether some row may use it; each class is its own set of
+# compiled kernels, all compiled at warm-up): temperature alone, top-p or min-p without top-k, everything.
+SPLIT_CLASSES = ((False, False, False), (False, True, True), (True, True, True))
 
 
 def split_pays(rows: np.ndarray, greedy: np.ndarray) -> bool:
@@ -65,6 +70,17 @@ def split_pays(rows: np.ndarray, greedy: np.ndarray) -> bool:
     top_k = rows[:, ref.TOP_K]
     wide = (top_p < 1.0) & ~((top_k > 0) & (top_k <= SMALL_TOP_K)) & ~greedy
     return bool(wide.any())
+
+
+def split_class(rows: np.ndarray, greedy: np.ndarray) -> tuple[bool, bool, bool]:
+    """The least of SPLIT_CLASSES that covers every sampled row's filters."""
+    sampled = ~greedy
+    f = rows.view(np.float32)
+    if ((rows[:, ref.TOP_K] > 0) & sampled).any():
+        return SPLIT_CLASSES[2]
+    if (((f[:, ref.TOP_P] < 1.0) | (f[:, ref.LOG_MIN_P] > -np.inf)) & sampled).any():
+        return SPLIT_CLASSES[1]
+    return SPLIT_CLASSES[0]
 
 @dataclass
 class Sampled:
@@ -157,8 +173,12 @@ class Sampler:
             self._process(x, params, processed_d.long())
         tokens = ops.argmax(x) if greedy.any() else None  # exact in the model's dtype
         if not greedy.all():
-            split = {"split": split_pays(rows, greedy)} if self.kernel is not ref else {}
-            tokens = self.kernel.sample(x, params, tokens, **split)
+            path = {}
+            if self.kernel is not ref:
+                path = {"split": split_pays(rows, greedy)}
+                if path["split"]:
+                    path["filters"] = split_class(rows, greedy)
+            tokens = self.kernel.sample(x, params, tokens, **path)
         if len(processed):
             self._count(params, processed_d.long(), tokens)
         return self._with_logprobs(Sampled(tokens, lp_rows, lp_counts), raw, lp_rows_d)
@@ -251,7 +271,8 @@ class Sampler:
         tokens = torch.zeros(1, dtype=torch.int64, device=logits.device)
         self.logprob_kernel.token_logprobs(logits[:1], tokens)
         self.logprob_kernel.token_logprobs(logits[:1], tokens, picked)
-        paths = ({"split": True}, {"split": False}) if self.kernel is not ref else ({},)
-        for path in paths:  # both: the first batch of the other path must not stall a server on a compile
+        paths = [{"split": False}] + [{"split": True, "filters": f} for f in SPLIT_CLASSES]
+        for path in paths if self.kernel is not ref else ({},):
+            # every path and class: the first batch of another must not stall a server on a compile
             self.kernel.sample(logits[:1], params, **path)
             self.kernel.sample(logits[:1].float(), params, **path)
