@@ -196,8 +196,8 @@ def test_a_seeded_row_draws_the_same_whatever_runs_beside_it():
         assert tokens[-1] == alone[0]
 
 
-def test_split_sampling_path_only_for_small_batches_with_a_whole_row_top_p():
-    """The split kernel pays only for top-p searching the whole vocabulary in a small batch (sampler.py's
+def test_split_sampling_path_only_for_batches_of_up_to_64_rows_with_a_whole_row_top_p():
+    """The split kernel pays only for top-p searching the whole vocabulary in a batch of up to 64 rows (sampler.py's
     figures); every other setting, and any batch past SPLIT_MAX_ROWS, stays on one program per row."""
     import numpy as np
 

@@ -52,10 +52,12 @@ def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch
 # H100 (benchmarks/sampling_bench.py --kernel): top-p 0.95 at 1 / 16 / 64 rows takes 22 / 42 / 109 of device time
 # (replayed as one graph) against 163 / 163 / 224, but 336 launched one by one: its 9 launches cost the host more
 # than the device. The engine launches sampling while the device still runs the step's forward, so where the
-# forward is long (an 8B model) the device time is what a step pays. Temperature alone: 9 / 15 / 37 against 90,
-# and top-k 50 86 / 126 / 254 against 142-146, so the split path is for small batches with a row whose top-p
-# searches the whole vocabulary (no top-k of at most SMALL_TOP_K before it).
-SPLIT_MAX_ROWS = 16
+# forward is long (an 8B model) the device time is what a step pays: serving the 8B shape at concurrency 64 with
+# top-p 0.95 (H200, docs/benchmarks.md "Top-p by rejection"), the split path up to 64 rows gave a TPOT p50 of
+# 7.38 and 7.81 ms in two runs, up to 16 rows 7.83 and 8.93. Temperature alone: 9 / 15 / 37 against 90, and
+# top-k 50 86 / 126 / 254 against 142-146, so the split path is for batches with a row whose top-p searches the
+# whole vocabulary (no top-k of at most SMALL_TOP_K before it).
+SPLIT_MAX_ROWS = 64
 SMALL_TOP_K = 256  # the per-row kernel's small buffer (kernels/sampling.py SMALL): top-p works inside it
 # The split path's launch classes (top-k, top-p, min-p: whether some row may use it; each class is its own set of
 # compiled kernels, all compiled at warm-up): temperature alone, top-p or min-p without top-k, everything.
