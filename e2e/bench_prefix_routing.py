@@ -3,8 +3,6 @@
 Drives running gateways with two workloads, one gateway after the other, each with its own text (no
 gateway profits from another's cached blocks):
 - multi-turn: CONVERSATIONS conversations at once, TURNS turns each, every turn re-sending the history;
-- document chat: DOC_CONVERSATIONS conversations about a document each (DOC_SENTENCES sentences in the system
-  message, as a chat over a file or a retrieved page), TURNS turns each, re-sending the history;
 - shared system prompt: SYSTEM_PROMPTS long system prompts (tenants), each with SYSTEM_QUESTIONS distinct
   questions, all requests in one random order (tenants' arrivals interleave), SYSTEM_CONCURRENCY in flight.
 Every request is a streamed chat completion through the gateway (TTFT = first content chunk). Hit rates
@@ -13,8 +11,7 @@ after each gateway's turn; the gateway's own estimate from its `pagefleet_gatewa
 choices from `pagefleet_gateway_routing_decisions_total`. Sizes, with SmolLM2's tokenizer and chat template
 (e2e/test_prefix_routing.py sets the workers' KV against them): a multi-turn conversation grows from ~82
 prompt tokens to ~293 tokens (18 blocks of 16) at its last answer; a shared system prompt is ~385 tokens
-(24 blocks), a question and its answer add ~35; a document-chat conversation grows from ~390 to ~570 tokens
-(36 blocks).
+(24 blocks), a question and its answer add ~35.
 
     python e2e/bench_prefix_routing.py --key sk-... --worker http://10.0.0.7:8000 --worker http://10.0.0.8:8000 \\
         --gateway queue-depth=http://gw-a:4000 --gateway prefix-aware=http://gw-b:4000
@@ -40,8 +37,6 @@ CONVERSATIONS, TURNS, ANSWER_TOKENS = 12, 6, 8
 THINK_S = 1.0  # a user reads and types between turns: uniform in [0, THINK_S], so turns arrive interleaved
 SYSTEM_PROMPTS, SYSTEM_QUESTIONS, SYSTEM_CONCURRENCY = 8, 6, 4
 SYSTEM_SENTENCES = 32  # ~385 tokens: a tenant's instructions and examples
-DOC_CONVERSATIONS, DOC_SENTENCES = 6, 30  # ~360 tokens of document a conversation
-MULTI_TURN = ("multi-turn", "document-chat")  # the workloads whose requests re-send a conversation
 WORDS = ("river station engine signal bridge tunnel valley harbor market winter summer garden library "
          "captain doctor farmer teacher painter sailor miner baker weaver copper silver timber granite "
          "northern southern eastern western ancient modern quiet busy narrow broad steep gentle early late "
@@ -59,13 +54,6 @@ def conversation_starts(seed: str) -> list[list[dict]]:
     rng = random.Random(f"{seed}-turns")
     return [[{"role": "system", "content": " ".join(sentence(rng, 10) for _ in range(4))}]
             for _ in range(CONVERSATIONS)]
-
-
-def document_starts(seed: str) -> list[list[dict]]:
-    """One opening per conversation: a system message holding its document (~360 tokens)."""
-    rng = random.Random(f"{seed}-documents")
-    return [[{"role": "system", "content": "Answer questions about this document. "
-              + " ".join(sentence(rng, 10) for _ in range(DOC_SENTENCES))}] for _ in range(DOC_CONVERSATIONS)]
 
 
 def question(rng: random.Random) -> str:
@@ -117,28 +105,20 @@ async def chat(client: httpx.AsyncClient, url: str, key: str, model: str, messag
         "".join(text)
 
 
-async def conversations(client, url, key, model, seed: str, starts: list[list[dict]], workload: str) -> list[Sample]:
+async def multi_turn(client, url, key, model, seed: str) -> list[Sample]:
     async def one(i: int, history: list[dict]) -> list[Sample]:
         rng, out = random.Random(f"{seed}-conversation-{i}"), []
         for _ in range(TURNS):
             await asyncio.sleep(rng.uniform(0, THINK_S))
             history.append({"role": "user", "content": question(rng)})
-            sample, answer = await chat(client, url, key, model, history, workload)
+            sample, answer = await chat(client, url, key, model, history, "multi-turn")
             sample.conversation = i
             history.append({"role": "assistant", "content": answer})
             out.append(sample)
         return out
 
-    runs = await asyncio.gather(*(one(i, h) for i, h in enumerate(starts)))
+    runs = await asyncio.gather(*(one(i, h) for i, h in enumerate(conversation_starts(seed))))
     return [s for run in runs for s in run]
-
-
-async def multi_turn(client, url, key, model, seed: str) -> list[Sample]:
-    return await conversations(client, url, key, model, seed, conversation_starts(seed), "multi-turn")
-
-
-async def document_chat(client, url, key, model, seed: str) -> list[Sample]:
-    return await conversations(client, url, key, model, seed, document_starts(seed), "document-chat")
 
 
 def system_prompts(seed: str) -> list[str]:
@@ -196,8 +176,7 @@ async def run_phase(name: str, url: str, key: str, model: str, workers: list[str
     phase = Phase(name)
     start = time.perf_counter()
     async with httpx.AsyncClient(timeout=httpx.Timeout(300)) as client:
-        for workload, drive in (("multi-turn", multi_turn), ("document-chat", document_chat),
-                                ("shared-system", shared_system)):
+        for workload, drive in (("multi-turn", multi_turn), ("shared-system", shared_system)):
             before, est_before = await worker_hits(client, workers), await gateway_estimate(client, url)
             phase.samples += await drive(client, url, key, model, f"{name}-{workload}")
             after, est_after = await worker_hits(client, workers), await gateway_estimate(client, url)
@@ -214,11 +193,11 @@ def hit_rate(phase: Phase, workload: str) -> float:
     return sum(h for _, h in phase.worker_delta[workload].values()) / queries if queries else 0.0
 
 
-def ideal_hit_rate(phase: Phase, workload: str = "multi-turn", block_size: int = 16) -> float:
-    """A conversation workload with every turn on the worker of the turn before: turn k finds at least turn
-    k-1's prompt, in full blocks (the answer's blocks may add a little)."""
+def ideal_hit_rate(phase: Phase, block_size: int = 16) -> float:
+    """Multi-turn with every turn on the worker of the turn before: turn k finds at least turn k-1's prompt,
+    in full blocks (the answer's blocks may add a little)."""
     hit = total = 0
-    multi = [s for s in phase.samples if s.workload == workload]
+    multi = [s for s in phase.samples if s.workload == "multi-turn"]
     for i in {s.conversation for s in multi}:
         turns = [s.prompt_tokens for s in multi if s.conversation == i]
         total += sum(turns)
@@ -249,8 +228,8 @@ def report(phases: list[Phase]) -> str:
                          f"{ttft(p, workload, 0.5) * 1000:>8.0f}ms{ttft(p, workload, 0.99) * 1000:>8.0f}ms"
                          f"{busiest_share(p, workload):>8.0%}{n:>6}")
         lines.append(f"{p.name:<22}{'(all)':<15}{'':>9}{'':>9}{'':>10}{'':>10}{busiest_share(p):>8.0%}"
-                     f"{len(p.samples):>6}   {p.wall_s:.0f} s; hit rate with perfect affinity >= "
-                     + ", ".join(f"{w} {ideal_hit_rate(p, w):.2f}" for w in MULTI_TURN if w in p.worker_delta))
+                     f"{len(p.samples):>6}   {p.wall_s:.0f} s; multi-turn hit rate with perfect affinity "
+                     f">= {ideal_hit_rate(p):.2f}")
         for workload, reasons in p.decisions.items():
             if reasons:
                 lines.append(f"{'':<22}{workload:<15}decisions: " + ", ".join(f"{r} {n}" for r, n in

@@ -17,11 +17,7 @@ twice as much. Each worker has KV_BLOCKS = 128 blocks of 16 tokens (2,048 tokens
   and answer blocks (~2 a request) of the requests since a prompt's last use.
 - Multi-turn: 12 conversations x 18 blocks at their last turn (~293 tokens) = 216 blocks, 1.7x one worker
   and 0.84x the fleet; with affinity 6 each, 108 blocks.
-- Document chat: 6 conversations x 36 blocks at their last turn (~570 tokens) = 216 blocks, the same 1.7x and
-  0.84x, but from their first turn (6 x 25 blocks) more than one worker holds; with affinity 3 each, 108.
-- Running: multi-turn and shared prompts at most 4 sequences of <= 27 blocks, 108 blocks, so no preemption;
-  document chat 4 x 36 = 144 on one worker, more than it has, which only a router that puts 4 conversations
-  on one worker can reach (affinity puts 3).
+- Running: at most 4 sequences of <= 27 blocks, 108 blocks, so no preemption.
 Asserted: what does not depend on the machine's speed (multi-turn hit rates, the share bound, the
 estimate); the timings and the shared-system-prompt hit rates are printed, not asserted.
 """
@@ -139,9 +135,6 @@ def test_prefix_aware_routing_raises_the_hit_rate_within_the_share_bound(fleet):
         # a worker while their prompt's first use is still in prefill. How many do depends on the machine's
         # speed (0.47 against queue-depth's 0.53 once, with other work on the same two cores; 1.08-1.47x its
         # hit rate on a quiet machine), so that comparison is printed above, not asserted.
-        # Document chat: every conversation's document is re-sent each turn, and scattered turns make both workers
-        # hold every document, more than one worker has room for from the first turn on.
-        assert bench.hit_rate(ours, "document-chat") > bench.hit_rate(base, "document-chat"), name
         assert bench.busiest_share(ours) <= 0.65, name
         expected, queried = ours.estimate["multi-turn"]
         assert abs(expected / queried - bench.hit_rate(ours, "multi-turn")) < 0.1, name  # the index is close
