@@ -358,7 +358,8 @@ def sample(logits: torch.Tensor, params: torch.Tensor, out: torch.Tensor | None 
     search_blocks (a power of two). split: the row split across programs of `chunk` logits (sampling_split.py;
     the same tokens), True or False to force either path, None to split batches of at most split_rows rows
     (sampling_split.SPLIT_ROWS unless told). filters: whether any row may use top-k, top-p, min-p; the split path
-    leaves out the launches of a filter ruled out (and ignores it in a row), the per-row kernel reads every row's."""
+    leaves out the launches of a filter ruled out (sampling_split.py says what a row then loses), the per-row
+    kernel reads every row's."""
     from . import sampling_split  # imports this module's helpers: imported once this module has run
 
     R, V = logits.shape

@@ -25,7 +25,8 @@ same run to run. The mass sums round in another order than the reference's or th
 whose top-p edge lies within fp32 rounding of a token's mass may keep one token more or less; counts and the
 draw are exact. A program whose row does not need its pass (no top-k, no top-p, settled) does nothing; greedy
 rows (inv_temperature 0) are left as they are in `out`. The caller may say which filters no row uses
-(`top_k`, `top_p`, `min_p` False): their launches are then left out, and such a filter in a row is ignored.
+(`top_k`, `top_p`, `min_p` False): their launches are then left out, and a row's top-k or top-p so ruled out is
+ignored, as is its min-p when neither top-p nor min-p is named (the row's max is not taken).
 Each combination is its own set of compiled kernels (the sampler uses three: worker/executor/sampler.py).
 """
 import torch
