@@ -211,10 +211,17 @@ def _solve_top_k(keys_ptr, n, m, top_k, cnt_hi, then_p, top_p, top, SIZE: tl.con
 
 
 @triton.jit
-def _race_pass(base, V, inv_t, m, floor, above, log_min_p, k1, k2, MASS: tl.constexpr, BLOCK: tl.constexpr):
-    """One pass over the row: among the keys >= floor (top-k's survivors) and > above (strictly above a top-p
-    candidate), the Gumbel-max winner of those min-p keeps and (MASS) their mass exp(x - m). -> (mass, the
-    winner's score, the winner)."""
+def _key_at(base, token, inv_t):
+    """The ordered key of one token's scaled logit, rounded as _scaled and _key round the row's."""
+    return _key(tl.load(base + token).to(tl.float32) * inv_t)
+
+
+@triton.jit
+def _race_pass(base, start, end, inv_t, m, floor, above, log_min_p, k1, k2, MASS: tl.constexpr,
+               BLOCK: tl.constexpr):
+    """One pass over tokens [start, end) of a row (the whole row, or a split path's chunk): among the keys >= floor
+    (top-k's survivors) and > above (strictly above a top-p candidate), the Gumbel-max winner of those min-p keeps
+    (ties to the lowest id) and (MASS) their mass exp(x - m). -> (mass, the winner's score, the winner)."""
     # Per lane a running best, reduced once after the loop: a scalar compare per block keeps the next block's
     # loads from being issued early (temperature alone, bf16 rows of 128,256 on an H100: 133 us at batch 1
     # against 954, 96 against 186 at 64, 156 against 194 at 256; benchmarks/sampling_bench.py --kernel
@@ -223,9 +230,9 @@ def _race_pass(base, V, inv_t, m, floor, above, log_min_p, k1, k2, MASS: tl.cons
     mass_vec = tl.zeros([BLOCK], tl.float32)
     best_vec = tl.full([BLOCK], float("-inf"), tl.float32)
     idx_vec = tl.full([BLOCK], 0, tl.int32)
-    for k0 in range(0, V, BLOCK):
+    for k0 in range(start, end, BLOCK):
         offs = k0 + tl.arange(0, BLOCK)
-        valid = offs < V
+        valid = offs < end
         x = _scaled(base, offs, valid, inv_t)
         key = _key(x)
         surv = valid & (key >= floor) & (key > above)
@@ -248,10 +255,10 @@ def _race_to_top_p(base, V, inv_t, m, floor, log_min_p, k1, k2, target, cand, ca
     token). Each rejection raises the candidate strictly, so the loop ends. -> the drawn token."""
     open_ = tl.full([], 1, tl.int32)
     while open_ == 1:
-        mass, best, winner = _race_pass(base, V, inv_t, m, floor, cand_key, log_min_p, k1, k2, True, BLOCK)
+        mass, best, winner = _race_pass(base, 0, V, inv_t, m, floor, cand_key, log_min_p, k1, k2, True, BLOCK)
         keep = (mass < target) | (best == float("-inf"))  # nothing above it survives: it is the top
         cand = tl.where(keep, cand, winner)
-        cand_key = tl.where(keep, cand_key, _key(tl.load(base + winner).to(tl.float32) * inv_t))
+        cand_key = tl.where(keep, cand_key, _key_at(base, winner, inv_t))
         open_ = tl.where(keep, 0, 1)
     return cand
 
@@ -324,16 +331,16 @@ def _sample_kernel(logits_ptr, stride_row, params_ptr, paramsf_ptr, stride_param
         no_candidate = tl.full([], INT32_MIN, tl.int32)
         if has_p & (not p_done):
             # top-p by rejection: the race over every survivor gives the first candidate and the survivors' mass
-            total, _, cand = _race_pass(base, V, inv_t, m, thr, no_candidate, log_min_p, k1, k2, True, BLOCK)
+            total, _, cand = _race_pass(base, 0, V, inv_t, m, thr, no_candidate, log_min_p, k1, k2, True, BLOCK)
             best_idx = _race_to_top_p(base, V, inv_t, m, thr, log_min_p, k1, k2, top_p * total, cand,
-                                      _key(tl.load(base + cand).to(tl.float32) * inv_t), BLOCK)
+                                      _key_at(base, cand, inv_t), BLOCK)
         elif in_buffer:
             if n <= SMALL:
                 best_idx = _draw_buffer(keys_ptr, ids_ptr, n, m, thr, log_min_p, k1, k2, SMALL)
             else:
                 best_idx = _draw_buffer(keys_ptr, ids_ptr, n, m, thr, log_min_p, k1, k2, CAP)
         else:
-            _, _, best_idx = _race_pass(base, V, inv_t, m, thr, no_candidate, log_min_p, k1, k2, False, BLOCK)
+            _, _, best_idx = _race_pass(base, 0, V, inv_t, m, thr, no_candidate, log_min_p, k1, k2, False, BLOCK)
         tl.store(out_ptr + row, best_idx.to(tl.int64))
 
 

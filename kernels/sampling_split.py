@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from .reference import SAMPLE_FIELDS
-from .sampling import INT32_MAX, INT32_MIN, _key, _race_to_top_p, _row_noise_keys, _scaled, _uniform
+from .sampling import INT32_MAX, INT32_MIN, _key, _key_at, _race_pass, _race_to_top_p, _row_noise_keys, _scaled
 
 BITS = 8  # digit width: a 2**BITS-bin histogram a pass
 DIGITS = 4  # 32-bit keys in 4 passes
@@ -142,14 +142,27 @@ def _select_kernel(params_ptr, paramsf_ptr, stride_params, V, st_ptr, stf_ptr, c
 
 
 @triton.jit
-def _survivors(base, offs, valid, inv_t, st, has_k):
-    """A block's scaled logits, their keys, and which of them survive top-k (at or above its threshold)."""
-    x = _scaled(base, offs, valid, inv_t)
-    key = _key(x)
+def _floor(st, has_k):
+    """The least key that survives the row's top-k (its threshold once the radix select is done)."""
     floor = tl.full([], INT32_MIN, tl.int32)
     if has_k:
         floor = tl.load(st + ST_K_PREFIX) ^ INT32_MIN
-    return x, key, valid & (key >= floor)
+    return floor
+
+
+@triton.jit
+def _race_row(params_ptr, paramsf_ptr, stride_params, V, st_ptr, stf_ptr, FIRST: tl.constexpr, HAS_K: tl.constexpr,
+              HAS_P: tl.constexpr):
+    """This program's row in a race: its record, filters and state, and whether it races (a sampled row; after
+    the first race, one not settled yet)."""
+    row = tl.program_id(0)
+    p_i = params_ptr + row * stride_params
+    inv_t, has_k, top_p, has_p, log_min_p = _row_filters(p_i, paramsf_ptr + row * stride_params, V, HAS_K, HAS_P)
+    st = st_ptr + row * STATE_FIELDS
+    live = inv_t > 0.0
+    if not FIRST:
+        live &= tl.load(st + ST_DONE) == 0
+    return row, p_i, inv_t, has_k, top_p, has_p, log_min_p, st, stf_ptr + row * STATE_FIELDS, live
 
 
 @triton.jit
@@ -158,33 +171,26 @@ def _race_kernel(logits_ptr, stride_row, params_ptr, paramsf_ptr, stride_params,
                  HAS_K: tl.constexpr, HAS_P: tl.constexpr):
     """One chunk of one row: the Gumbel-max winner among its survivors of top-k and min-p (FIRST) or among those
     strictly above the row's candidate, and (top-p rows) those survivors' mass."""
-    row = tl.program_id(0)
+    row, p_i, inv_t, has_k, top_p, has_p, log_min_p, st, stf, live = _race_row(
+        params_ptr, paramsf_ptr, stride_params, V, st_ptr, stf_ptr, FIRST, HAS_K, HAS_P)
     c = tl.program_id(1)
-    p_i = params_ptr + row * stride_params
-    p_f = paramsf_ptr + row * stride_params
-    inv_t, has_k, top_p, has_p, log_min_p = _row_filters(p_i, p_f, V, HAS_K, HAS_P)
-    st = st_ptr + row * STATE_FIELDS
-    stf = stf_ptr + row * STATE_FIELDS
-    live = inv_t > 0.0
-    if not FIRST:
-        live &= tl.load(st + ST_DONE) == 0
     if live:
         m = tl.full([], float("-inf"), tl.float32)  # -inf without min-p or top-p: x - m never below log_min_p
         if WITH_MAX:
             m = tl.load(stf + ST_MAX)
-        offs = c * CHUNK + tl.arange(0, CHUNK)
-        x, key, surv = _survivors(logits_ptr + row.to(tl.int64) * stride_row, offs, offs < V, inv_t, st, has_k)
+        above = tl.full([], INT32_MIN, tl.int32)  # below every key: no candidate yet
         if not FIRST:
-            surv &= key > tl.load(st + ST_CAND_KEY)
+            above = tl.load(st + ST_CAND_KEY)
+        k1, k2 = _row_noise_keys(p_i)
+        start = c * CHUNK
+        mass, val, winner = _race_pass(logits_ptr + row.to(tl.int64) * stride_row, start,
+                                       tl.minimum(start + CHUNK, V), inv_t, m, _floor(st, has_k), above, log_min_p,
+                                       k1, k2, HAS_P, CHUNK)
         if HAS_P:
             if has_p:
-                tl.store(mass_ptr + row * n_chunks + c, tl.sum(tl.where(surv, tl.exp(x - m), 0.0), axis=0))
-        k1, k2 = _row_noise_keys(p_i)
-        u = _uniform(offs.to(tl.uint32), k1, k2)
-        score = tl.where(surv & (x - m >= log_min_p), x - tl.log(-tl.log(u)), float("-inf"))
-        val, i = tl.max(score, axis=0, return_indices=True, return_indices_tie_break_left=True)
+                tl.store(mass_ptr + row * n_chunks + c, mass)
         tl.store(val_ptr + row * n_chunks + c, val)
-        tl.store(idx_ptr + row * n_chunks + c, c * CHUNK + i)
+        tl.store(idx_ptr + row * n_chunks + c, winner)
 
 
 @triton.jit
@@ -194,9 +200,8 @@ def _settle(logits_ptr, stride_row, inv_t, st, cand, keep, out_ptr, row):
         tl.store(out_ptr + row, cand.to(tl.int64))
         tl.store(st + ST_DONE, 1)
     else:
-        x = tl.load(logits_ptr + row.to(tl.int64) * stride_row + cand).to(tl.float32) * inv_t
         tl.store(st + ST_CAND, cand)
-        tl.store(st + ST_CAND_KEY, _key(x))
+        tl.store(st + ST_CAND_KEY, _key_at(logits_ptr + row.to(tl.int64) * stride_row, cand, inv_t))
         tl.store(st + ST_DONE, 0)
 
 
@@ -208,15 +213,8 @@ def _race_select_kernel(logits_ptr, stride_row, params_ptr, paramsf_ptr, stride_
     chunk order. FIRST: the winner is drawn, or for a top-p row becomes the candidate and top_p of the mass the
     target. Later: the candidate is drawn if the mass above it is below the target, else the winner above it
     becomes the candidate."""
-    row = tl.program_id(0)
-    p_i = params_ptr + row * stride_params
-    p_f = paramsf_ptr + row * stride_params
-    inv_t, has_k, top_p, has_p, _ = _row_filters(p_i, p_f, V, HAS_K, HAS_P)
-    st = st_ptr + row * STATE_FIELDS
-    stf = stf_ptr + row * STATE_FIELDS
-    live = inv_t > 0.0
-    if not FIRST:
-        live &= tl.load(st + ST_DONE) == 0
+    row, p_i, inv_t, has_k, top_p, has_p, log_min_p, st, stf, live = _race_row(
+        params_ptr, paramsf_ptr, stride_params, V, st_ptr, stf_ptr, FIRST, HAS_K, HAS_P)
     if live:
         cs = tl.arange(0, CBLOCK)
         in_row = cs < n_chunks
@@ -244,22 +242,14 @@ def _race_finish_kernel(logits_ptr, stride_row, params_ptr, paramsf_ptr, stride_
                         out_ptr, BLOCK: tl.constexpr, HAS_K: tl.constexpr):
     """One row still open after the split rounds: the per-row kernel's rounds over its whole row, until its
     candidate is kept."""
-    row = tl.program_id(0)
-    p_i = params_ptr + row * stride_params
-    p_f = paramsf_ptr + row * stride_params
-    inv_t, has_k, _, _, log_min_p = _row_filters(p_i, p_f, V, HAS_K, True)
-    st = st_ptr + row * STATE_FIELDS
-    stf = stf_ptr + row * STATE_FIELDS
-    if inv_t > 0.0:
-        if tl.load(st + ST_DONE) == 0:
-            floor = tl.full([], INT32_MIN, tl.int32)
-            if has_k:
-                floor = tl.load(st + ST_K_PREFIX) ^ INT32_MIN
-            k1, k2 = _row_noise_keys(p_i)
-            token = _race_to_top_p(logits_ptr + row.to(tl.int64) * stride_row, V, inv_t, tl.load(stf + ST_MAX),
-                                   floor, log_min_p, k1, k2, tl.load(stf + ST_TARGET), tl.load(st + ST_CAND),
-                                   tl.load(st + ST_CAND_KEY), BLOCK)
-            tl.store(out_ptr + row, token.to(tl.int64))
+    row, p_i, inv_t, has_k, top_p, has_p, log_min_p, st, stf, live = _race_row(
+        params_ptr, paramsf_ptr, stride_params, V, st_ptr, stf_ptr, False, HAS_K, True)
+    if live:
+        k1, k2 = _row_noise_keys(p_i)
+        token = _race_to_top_p(logits_ptr + row.to(tl.int64) * stride_row, V, inv_t, tl.load(stf + ST_MAX),
+                               _floor(st, has_k), log_min_p, k1, k2, tl.load(stf + ST_TARGET),
+                               tl.load(st + ST_CAND), tl.load(st + ST_CAND_KEY), BLOCK)
+        tl.store(out_ptr + row, token.to(tl.int64))
 
 
 def sample_split(logits: torch.Tensor, params: torch.Tensor, out: torch.Tensor, chunk: int = CHUNK,
