@@ -82,7 +82,7 @@ def kernel_table(baseline: str | None, scale: float, folds: list[int]) -> None:
 
     from pagefleet.kernels import greedy, sampling
     from pagefleet.kernels import reference as ref
-    from pagefleet.worker.executor.sampler import SPLIT_CLASSES
+    from pagefleet.worker.executor.sampler import split_class
 
     old = baseline_kernel(baseline) if baseline else None
 
@@ -114,8 +114,8 @@ def kernel_table(baseline: str | None, scale: float, folds: list[int]) -> None:
         print(f"{'greedy (argmax kernel)':30s} {batch:5d} {us:10.1f}", flush=True)
         for name, setting in KERNEL_SETTINGS.items():
             rec = records(batch, *setting)
-            _, top_k, top_p, min_p = setting  # the sampler's launch class for these rows (sampler.split_class)
-            cls = SPLIT_CLASSES[2 if top_k else 1 if top_p < 1.0 or min_p > 0 else 0]
+            host = rec.cpu().numpy()  # the sampler's launch class for these rows
+            cls = split_class(host, host.view(np.float32)[:, ref.INV_TEMPERATURE] == 0)
             new = sampling.sample(logits, rec, split=False)
             new_us = time_us(lambda rec=rec, x=logits: sampling.sample(x, rec, split=False))
             line = f"{name:30s} {batch:5d} {new_us:10.1f}"
