@@ -162,6 +162,35 @@ def test_fp8_quantised_rows_change_nothing(tiny_models):
     assert run() == fused
 
 
+def test_fp8_decode_graphs_past_32_rows_through_the_fp8_gemm(tiny_models, monkeypatch):
+    """FP8 decode graphs of 33..64 rows capture their linears as kernels/fp8_skinny.py's GEMM (e4m3 on both
+    sides), and 40 sequences decoding together stay as near transformers as the FP8 bound above allows."""
+    from pagefleet.kernels import fp8_skinny
+
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 needs Ada or Hopper")
+    rows, real = [], fp8_skinny.fp8_skinny_gemm
+    monkeypatch.setattr(fp8_skinny, "fp8_skinny_gemm",
+                        lambda xq, *a, **k: rows.append(xq.shape[0]) or real(xq, *a, **k))
+    path = tiny_models["llama"]
+    llm = LLM(str(path), dtype="bfloat16", quantization="fp8", max_model_len=512, max_num_batched_tokens=1024,
+              max_num_seqs=48, gpu_memory_fraction=0.2)
+    assert 48 in rows  # the 48-row decode graph captured it (and the 64-token prompt and mixed buckets)
+    prompts = [list(range(1000 + 13 * i, 1005 + 20 * i)) for i in range(40)]
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0))
+    assert any(s.num_decode_tokens == 40 and not s.num_prefill_tokens for s in llm.engine.recent_steps)
+    hf32, hf16 = transformers_pair(path)
+    ours, hf_bf16, ref = [], [], []
+    for p, out in zip(prompts, outs, strict=True):
+        toks = out.outputs[0].token_ids
+        ref.append(chosen_logprobs(hf32, p, toks))
+        hf_bf16.append(chosen_logprobs(hf16, p, toks))
+        ours.append(torch.tensor([e.logprob for e in out.outputs[0].logprobs], device="cuda"))
+    ref, hf_bf16, ours = torch.cat(ref), torch.cat(hf_bf16), torch.cat(ours)
+    error, hf_error = (ours - ref).abs().mean().item(), (hf_bf16 - ref).abs().mean().item()
+    assert error <= max(16 * hf_error, 0.1), (error, hf_error)
+
+
 @pytest.mark.parametrize("quantization", [None, "fp8"])
 def test_pdl_decode_graphs_match_plain_ones(tiny_models, monkeypatch, quantization):
     """Decode graphs whose GEMVs and attention launch with programmatic dependent launch (kernels/pdl.py,

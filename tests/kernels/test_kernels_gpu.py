@@ -368,3 +368,41 @@ def test_argmax_matches_torch(rows, dtype):
         x = torch.randn(rows, 128256, device="cuda").to(dtype)
         x[0, [5, 128255]] = 50.0  # a tie across chunks
         assert torch.equal(greedy.argmax(x), x.argmax(dim=-1))
+
+
+@pytest.mark.parametrize("M", [33, 64, 128])
+def test_fp8_skinny_gemm_8b_shapes_in_a_graph(M):
+    """kernels/fp8_skinny.py at the 8B decoder shapes with its default configs (K split where they split),
+    all four captured in one CUDA graph and replayed over new quantised rows, each replay merging through
+    counters the previous one left at 0; against the fp32 product of the dequantised operands."""
+    from pagefleet.kernels import arrivals, fp8_skinny
+
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 needs Ada or Hopper")
+    shapes = {name: LLAMA_8B_LINEARS[name] for name in ("qkv", "o_proj", "gate_up", "down")}
+    ws = {name: ref.quantize_weight_fp8((torch.randn(N, K, device="cuda") / K**0.5).to(BF))
+          for name, (N, K) in shapes.items()}
+    xs = {name: ref.quantize_fp8_per_token(torch.randn(M, K, device="cuda", dtype=BF))
+          for name, (_, K) in shapes.items()}
+    bias = torch.randn(shapes["qkv"][0], device="cuda", dtype=BF)
+    arrivals.reserve("cuda")
+
+    def run():
+        return {name: fp8_skinny.fp8_skinny_gemm(*xs[name], *ws[name], bias if name == "qkv" else None)
+                for name in shapes}
+
+    run()  # compiles outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = run()
+    for _ in range(2):
+        for q, scale in xs.values():
+            new_q, new_scale = ref.quantize_fp8_per_token(torch.randn(M, q.shape[1], device="cuda", dtype=BF))
+            q.copy_(new_q)
+            scale.copy_(new_scale)
+        for o in outs.values():
+            o.fill_(float("nan"))
+        graph.replay()
+        for name, out in outs.items():
+            close(out, ref.fp8_gemm(*xs[name], *ws[name], bias if name == "qkv" else None, torch.float32), BF)
+    assert not arrivals.counters("cuda", 0).any()

@@ -19,8 +19,8 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
 if os.environ.get("TRITON_INTERPRET") == "1":
     pytest.importorskip("triton")
     TK = {name: importlib.import_module(f"pagefleet.kernels.{name}") for name in (
-        "activation", "arrivals", "attention", "fp8", "gemv", "greedy", "kv_cache", "norm", "prefill_attention",
-        "rope")}
+        "activation", "arrivals", "attention", "fp8", "fp8_skinny", "gemv", "greedy", "kv_cache", "norm",
+        "prefill_attention", "rope")}
 
 # ---------------------------------------------------------------- Triton (interpreter) against references
 
@@ -252,6 +252,27 @@ def test_triton_fp8_quantize():
     q_ref, scale_ref = ref.quantize_fp8_per_token(x)
     assert torch.equal(scale, scale_ref)
     assert_e4m3_equal(q, q_ref)
+
+
+@pytest.mark.parametrize("M", [33, 64, 100])  # one 64-row tile; 100 padded to 128, rows wrapping round
+@pytest.mark.parametrize("split_k", [1, 3])
+def test_triton_fp8_skinny_gemm(M, split_k):
+    """Quantised rows @ e4m3 weight: N = 80 (a partial 32-row tile whose rows wrap round), K = 96 in 32-wide
+    tiles, 3 slices merged by the last to arrive (its counter back at 0), bias, poisoned out; against the fp32
+    product of the dequantised operands."""
+    gen = torch.Generator().manual_seed(17)
+    xq, x_scale = ref.quantize_fp8_per_token(torch.randn(M, 96, generator=gen) * torch.rand(M, 1, generator=gen))
+    w8, w_scale = ref.quantize_weight_fp8(torch.randn(80, 96, generator=gen))
+    bias = torch.randn(80, generator=gen)
+    for b in (bias, None):
+        out = torch.full((M, 80), float("nan"))
+        TK["fp8_skinny"].fp8_skinny_gemm(xq, x_scale, w8, w_scale, b, out_dtype=torch.float32, out=out, block_n=32,
+                                         block_k=32, split_k=split_k)
+        close(out, ref.fp8_gemm(xq, x_scale, w8, w_scale, b, torch.float32), torch.float32)
+        assert not TK["arrivals"].counters(out.device, 0).any()
+    got = TK["fp8_skinny"].fp8_skinny_gemm(xq, x_scale, w8, w_scale, block_n=32, block_k=64)  # 64 does not divide
+    assert got.dtype == torch.bfloat16                                                        # K: 32-wide tiles
+    close(got, ref.fp8_gemm(xq, x_scale, w8, w_scale), torch.bfloat16)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

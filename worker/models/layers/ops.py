@@ -26,8 +26,8 @@ def use_triton(enabled: bool) -> None:
         _triton = None
         return
     # imported here, not at the top: the Triton modules import triton, which CPU-only processes skip
-    names = ("activation", "arrivals", "attention", "causal_conv1d", "fp8", "gdn_chunk", "gdn_norm", "gdn_recurrent",
-             "gemv", "greedy", "kv_cache", "norm", "prefill_attention", "rope")
+    names = ("activation", "arrivals", "attention", "causal_conv1d", "fp8", "fp8_skinny", "gdn_chunk", "gdn_norm",
+             "gdn_recurrent", "gemv", "greedy", "kv_cache", "norm", "prefill_attention", "rope")
     _triton = {name: importlib.import_module(f"pagefleet.kernels.{name}") for name in names}
 
 
@@ -44,6 +44,10 @@ SKINNY_MAX_ROWS = 16
 # against 42.0; batch-32 decode step 5.60 -> 4.77 ms), at 64 it loses on three of four (H200,
 # benchmarks/gemv_bench.py; docs/benchmarks-kernels.md)
 SKINNY_MAX_ROWS_FP8 = 32
+# From there to this many rows an e4m3 linear inside a graph is our fp8 tensor-core GEMM (kernels/fp8_skinny.py)
+# instead of torch._scaled_mm: the 8B shape's 32 layers of linears take 3,280 against 3,759 us at 64 rows and
+# 3,234 against 3,626 at 48; at 80 rows gate_up is slower than _scaled_mm (H100, benchmarks/fp8_skinny_bench.py).
+FP8_SKINNY_MAX_ROWS = 64
 
 
 def skinny_rows(x, fp8: bool = False) -> bool:
@@ -54,6 +58,19 @@ def skinny_rows(x, fp8: bool = False) -> bool:
     (--enforce-eager at batch 1 went from ~14 to ~49 ms a step), and a graph replays it for free."""
     max_rows = SKINNY_MAX_ROWS_FP8 if fp8 else SKINNY_MAX_ROWS
     return bool(_triton and x.shape[0] <= max_rows and is_graphed())
+
+
+def _fp8_skinny(rows: int) -> bool:
+    """True where an e4m3 linear of `rows` token rows goes to kernels/fp8_skinny.py: past the GEMV's rows, up
+    to FP8_SKINNY_MAX_ROWS, inside a graph capture (a Triton launch costs the host more than cuBLAS's)."""
+    return bool(_triton and SKINNY_MAX_ROWS_FP8 < rows <= FP8_SKINNY_MAX_ROWS and is_graphed())
+
+
+def _fp8_gemm(q, scale, weight, weight_scale, bias, dtype):
+    """Rows quantised per token @ e4m3 weight: our skinny GEMM where _fp8_skinny says, else _scaled_mm."""
+    if _fp8_skinny(q.shape[0]):
+        return _triton["fp8_skinny"].fp8_skinny_gemm(q, scale, weight, weight_scale, bias, out_dtype=dtype)
+    return (_triton["fp8"] if _triton else ref).fp8_gemm(q, scale, weight, weight_scale, bias, out_dtype=dtype)
 
 
 def reserve_arrivals(device) -> None:
@@ -82,12 +99,17 @@ def linear(x, weight, bias=None, out=None, weight_scale=None):
     GEMV unquantised (weight-only FP8, half the bytes of bf16); other calls quantise x per token for
     torch._scaled_mm (kernels/fp8.py), unless x is Fp8Rows, quantised already."""
     if isinstance(x, Fp8Rows):
-        y = (_triton["fp8"] if _triton else ref).fp8_gemm(x.q, x.scale, weight, weight_scale, bias, out_dtype=x.dtype)
+        y = _fp8_gemm(x.q, x.scale, weight, weight_scale, bias, x.dtype)
         return y if out is None else out.copy_(y)
     if _skinny(x, weight, weight_scale):
         return _triton["gemv"].skinny_matmul(x, weight, bias, out=out, weight_scale=weight_scale)
     if weight_scale is not None:
-        y = (_triton["fp8"] if _triton else ref).fp8_linear(x, weight, weight_scale, bias)
+        rows = x.reshape(-1, x.shape[-1])
+        if _fp8_skinny(rows.shape[0]):  # the attention's output before o_proj: quantised here
+            y = _fp8_gemm(*_triton["fp8"].quantize_fp8_per_token(rows), weight, weight_scale, bias, x.dtype)
+            y = y.reshape(*x.shape[:-1], weight.shape[0])
+        else:
+            y = (_triton["fp8"] if _triton else ref).fp8_linear(x, weight, weight_scale, bias)
         return y if out is None else out.copy_(y)
     if out is None:
         return F.linear(x, weight, bias)
