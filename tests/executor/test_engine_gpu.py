@@ -121,8 +121,7 @@ def test_bf16_decode_graphs_of_17_to_32_sequences_through_the_gemv(tiny_models, 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_fp8_logprobs_near_transformers(tiny_models, arch):
     """--quantization fp8 with graphs: prompt chunks through torch._scaled_mm, decode graphs through the
-    e4m3 GEMV, norms folded before quantising. e4m3 keeps 3 mantissa bits to bf16's 7, so the bound is
-    16x what transformers loses in bf16 (mean over all tokens), and at least 0.1."""
+    e4m3 GEMV, norms folded before quantising; near transformers as assert_fp8_near_transformers bounds it."""
     from pagefleet.worker.models.layers.fp8 import Fp8Linear
 
     path = tiny_models[arch]
@@ -132,9 +131,15 @@ def test_fp8_logprobs_near_transformers(tiny_models, arch):
     assert runner.graphs is not None and runner.model.norms_folded
     assert isinstance(runner.model.model.layers[0].mlp.gate_up_proj, Fp8Linear)
     outs = generate_mixed(llm)
+    assert_fp8_near_transformers(path, PROMPTS, outs)
+
+
+def assert_fp8_near_transformers(path, prompts, outs):
+    """e4m3 keeps 3 mantissa bits to bf16's 7: the mean error of the chosen tokens' logprobs against
+    transformers in fp32 is at most 16x what transformers loses in bf16, and at least 0.1."""
     hf32, hf16 = transformers_pair(path)
     ours, hf_bf16, ref = [], [], []
-    for p, out in zip(PROMPTS, outs, strict=True):
+    for p, out in zip(prompts, outs, strict=True):
         toks = out.outputs[0].token_ids
         ref.append(chosen_logprobs(hf32, p, toks))
         hf_bf16.append(chosen_logprobs(hf16, p, toks))
@@ -179,16 +184,7 @@ def test_fp8_decode_graphs_past_32_rows_through_the_fp8_gemm(tiny_models, monkey
     prompts = [list(range(1000 + 13 * i, 1005 + 20 * i)) for i in range(40)]
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0))
     assert any(s.num_decode_tokens == 40 and not s.num_prefill_tokens for s in llm.engine.recent_steps)
-    hf32, hf16 = transformers_pair(path)
-    ours, hf_bf16, ref = [], [], []
-    for p, out in zip(prompts, outs, strict=True):
-        toks = out.outputs[0].token_ids
-        ref.append(chosen_logprobs(hf32, p, toks))
-        hf_bf16.append(chosen_logprobs(hf16, p, toks))
-        ours.append(torch.tensor([e.logprob for e in out.outputs[0].logprobs], device="cuda"))
-    ref, hf_bf16, ours = torch.cat(ref), torch.cat(hf_bf16), torch.cat(ours)
-    error, hf_error = (ours - ref).abs().mean().item(), (hf_bf16 - ref).abs().mean().item()
-    assert error <= max(16 * hf_error, 0.1), (error, hf_error)
+    assert_fp8_near_transformers(path, prompts, outs)
 
 
 @pytest.mark.parametrize("quantization", [None, "fp8"])
