@@ -99,14 +99,15 @@ def default_config(M: int, N: int, K: int, num_sms: int = 132) -> tuple[int, int
 def fp8_skinny_gemm(xq, x_scale, weight, weight_scale, bias=None, out_dtype=torch.bfloat16, out=None, block_n=None,
                     block_k=None, num_warps=None, num_stages=None, split_k=None):
     """(xq [M, K] e4m3 * x_scale [M, 1] fp32) @ (weight [N, K] e4m3 * weight_scale [N] fp32)^T (+ bias [N])
-    -> [M, N] in out_dtype; M <= MAX_ROWS, K a multiple of 16 (layers/fp8.Fp8Linear makes it so).
+    -> [M, N] in out_dtype; M <= MAX_ROWS, K a multiple of 32 (the fp8 dot's K step; ops.linear routes only
+    such weights here).
 
     split_k > 1 needs the device's arrival counters (arrivals.reserve before a graph capture); without them the
     GEMM runs unsplit. Every launch parameter comes from the shapes, never from tensor values: no host sync."""
     M, K = xq.shape
     N = weight.shape[0]
     assert M <= MAX_ROWS, f"fp8_skinny_gemm holds at most {MAX_ROWS} rows, got {M}"
-    assert weight.shape[1] == K and K % 16 == 0 and xq.stride(-1) == 1 and weight.stride(-1) == 1
+    assert weight.shape[1] == K and K % 32 == 0 and xq.stride(-1) == 1 and weight.stride(-1) == 1
     assert xq.dtype == weight.dtype == torch.float8_e4m3fn
     assert x_scale.dtype == weight_scale.dtype == torch.float32 and x_scale.numel() == M and x_scale.is_contiguous()
     assert weight_scale.shape == (N,) and weight_scale.is_contiguous()
@@ -119,10 +120,10 @@ def fp8_skinny_gemm(xq, x_scale, weight, weight_scale, bias=None, out_dtype=torc
     block_n, block_k, num_warps, num_stages, split_k = (
         given or default for given, default in zip((block_n, block_k, num_warps, num_stages, split_k), defaults,
                                                    strict=True))
-    while K % block_k:  # whole K tiles everywhere: K is a multiple of 16
+    while K % block_k:  # whole K tiles everywhere: K is a multiple of 32
         block_k //= 2
-    if block_n < 16 or block_k < 16:
-        raise ValueError(f"block_n={block_n}, block_k={block_k}: tl.dot needs 16 or more")
+    if block_n < 16 or block_k < 32:
+        raise ValueError(f"block_n={block_n}, block_k={block_k}: the fp8 dot needs 16 rows and 32 of K or more")
     k_per_split = triton.cdiv(K // block_k, split_k) * block_k  # whole tiles a slice, and no empty slice
     split_k = triton.cdiv(K, k_per_split)
     grid_n = triton.cdiv(N, block_n)

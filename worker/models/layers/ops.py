@@ -60,15 +60,17 @@ def skinny_rows(x, fp8: bool = False) -> bool:
     return bool(_triton and x.shape[0] <= max_rows and is_graphed())
 
 
-def _fp8_skinny(rows: int) -> bool:
+def _fp8_skinny(rows: int, weight) -> bool:
     """True where an e4m3 linear of `rows` token rows goes to kernels/fp8_skinny.py: past the GEMV's rows, up
-    to FP8_SKINNY_MAX_ROWS, inside a graph capture (a Triton launch costs the host more than cuBLAS's)."""
-    return bool(_triton and SKINNY_MAX_ROWS_FP8 < rows <= FP8_SKINNY_MAX_ROWS and is_graphed())
+    to FP8_SKINNY_MAX_ROWS, inside a graph capture (a Triton launch costs the host more than cuBLAS's), for a
+    weight whose in-features are a multiple of 32 (the fp8 dot's K step; Fp8Linear asks only 16)."""
+    return bool(_triton and SKINNY_MAX_ROWS_FP8 < rows <= FP8_SKINNY_MAX_ROWS and weight.shape[1] % 32 == 0
+                and is_graphed())
 
 
 def _fp8_gemm(q, scale, weight, weight_scale, bias, dtype):
     """Rows quantised per token @ e4m3 weight: our skinny GEMM where _fp8_skinny says, else _scaled_mm."""
-    if _fp8_skinny(q.shape[0]):
+    if _fp8_skinny(q.shape[0], weight):
         return _triton["fp8_skinny"].fp8_skinny_gemm(q, scale, weight, weight_scale, bias, out_dtype=dtype)
     return (_triton["fp8"] if _triton else ref).fp8_gemm(q, scale, weight, weight_scale, bias, out_dtype=dtype)
 
@@ -105,7 +107,7 @@ def linear(x, weight, bias=None, out=None, weight_scale=None):
         return _triton["gemv"].skinny_matmul(x, weight, bias, out=out, weight_scale=weight_scale)
     if weight_scale is not None:
         rows = x.reshape(-1, x.shape[-1])
-        if _fp8_skinny(rows.shape[0]):  # the attention's output before o_proj: quantised here
+        if _fp8_skinny(rows.shape[0], weight):  # the attention's output before o_proj: quantised here
             y = _fp8_gemm(*_triton["fp8"].quantize_fp8_per_token(rows), weight, weight_scale, bias, x.dtype)
             y = y.reshape(*x.shape[:-1], weight.shape[0])
         else:
