@@ -214,6 +214,13 @@ def test_idle_keep_alive_connections_outlive_client_pools(fleet):
 
 # ---- 2. queue-depth routing against simple-shuffle, same load, same run ----
 
+async def _gateway_sees_waiting(h: httpx.AsyncClient, gw: Proc, worker: Proc) -> float:
+    """The waiting requests the gateway's last probe of `worker` found (its pagefleet_gateway_worker_waiting)."""
+    text = (await h.get(gw.url + "/pagefleet/metrics")).text
+    prefix = f'pagefleet_gateway_worker_waiting{{worker="{worker.url}"}} '
+    return next((float(line[len(prefix):]) for line in text.splitlines() if line.startswith(prefix)), 0.0)
+
+
 async def _burst_while_busy(busy: Proc, gw: Proc) -> tuple[list[float], list[str]]:
     """Keeps `busy` full with long requests sent to it directly, then sends a burst through `gw`."""
     async with httpx.AsyncClient(timeout=600) as h:
@@ -223,7 +230,12 @@ async def _burst_while_busy(busy: Proc, gw: Proc) -> tuple[list[float], list[str
                      for _ in range(BUSY_REQUESTS)]
         while (await h.get(busy.url + "/load")).json()["waiting"] < BUSY_REQUESTS - 2:
             await asyncio.sleep(0.05)
-        await asyncio.sleep(0.3)  # a few probe intervals: the gateway has seen the queue
+        # The gateway has seen the queue: its last probe of `busy` says so. A fixed wait of a few probe intervals
+        # was not enough on a loaded 2-core CI machine, where a late probe let 6 of 18 through to `busy`.
+        deadline = time.perf_counter() + 10.0
+        while await _gateway_sees_waiting(h, gw, busy) < BUSY_REQUESTS - 2:
+            assert time.perf_counter() < deadline, "the gateway's probes never saw the busy worker's queue"
+            await asyncio.sleep(0.05)
         c = aclient(gw)
 
         async def one(i):
