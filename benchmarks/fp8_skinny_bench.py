@@ -22,7 +22,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gemv_bench import copy_bandwidth, rel_err, time_per_op  # noqa: E402
+from gemv_bench import copy_bandwidth, nearest_configs, rel_err, time_per_op  # noqa: E402
 
 import pagefleet.kernels.arrivals as arrivals  # noqa: E402
 import pagefleet.kernels.fp8 as F8  # noqa: E402
@@ -39,10 +39,6 @@ SWEEP = {"block_n": (64, 128), "block_k": (128, 256), "num_warps": (4, 8), "num_
 def sweep_configs(M, N, K, default, num_sms, limit):
     """Up to `limit` configs nearest the default (fewest knobs changed first); pruned: shared memory past 220 KB
     a block, grids under half an SM's worth of programs or over 4 an SM, slices under 2 K tiles."""
-    def distance(c):
-        return sum(a != b for a, b in zip(c, default, strict=True)), sum(
-            abs(math.log2(a) - math.log2(b)) for a, b in zip(c, default, strict=True))
-
     keep = []
     for c in itertools.product(*SWEEP.values()):
         block_n, block_k, _, stages, split = c
@@ -52,8 +48,7 @@ def sweep_configs(M, N, K, default, num_sms, limit):
         if K // split < 2 * block_k:
             continue
         keep.append(c)
-    keep.sort(key=distance)
-    return [tuple(default)] + [c for c in keep if c != tuple(default)][: limit - 1]
+    return nearest_configs(default, keep, limit)
 
 
 def name(c):

@@ -130,10 +130,6 @@ def sweep_configs(M, N, K, default, num_sms, limit, weight_bytes=2):
     Pruned: shared memory past the H200's 227 KB a block (num_stages x the weight and x tiles), grids
     that leave SMs idle, split-K where the N tiles alone give 2 programs an SM, empty splits.
     """
-    def distance(c):
-        changed = sum(a != b for a, b in zip(c, default, strict=True))
-        return changed, sum(abs(math.log2(a) - math.log2(b)) for a, b in zip(c, default, strict=True))
-
     keep = []
     for c in itertools.product(*SWEEP.values()):
         block_n, block_k, _, num_stages, split_k = c
@@ -145,8 +141,17 @@ def sweep_configs(M, N, K, default, num_sms, limit, weight_bytes=2):
         if split_k > 1 and math.ceil(K / split_k) < block_k:
             continue
         keep.append(c)
-    keep.sort(key=distance)
-    return [tuple(default)] + [c for c in keep if c != tuple(default)][: limit - 1]
+    return nearest_configs(default, keep, limit)
+
+
+def nearest_configs(default, configs, limit):
+    """The default, then up to limit - 1 of configs nearest it: fewest knobs changed, then the smallest changes
+    (log2 steps). Configs are tuples of powers of two in one order."""
+    def distance(c):
+        changed = sum(a != b for a, b in zip(c, default, strict=True))
+        return changed, sum(abs(math.log2(a) - math.log2(b)) for a, b in zip(c, default, strict=True))
+
+    return [tuple(default)] + sorted((c for c in configs if c != tuple(default)), key=distance)[: limit - 1]
 
 
 def config_name(c):
