@@ -74,11 +74,11 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_p
                    stride_qb, stride_qh, stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh,
                    stride_bt, stride_ob, stride_oh,
                    k_new_ptr, v_new_ptr, positions_ptr, cos_sin_ptr, slot_mapping_ptr, stride_knb, stride_knh,
-                   stride_vnb, stride_vnh, stride_cs,
+                   stride_vnb, stride_vnh, stride_cs, prefix_lens_ptr, prefix_acc_ptr, prefix_ml_ptr,
                    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, MERGE: tl.constexpr,
                    MERGE_GROUP: tl.constexpr, SPLITS_PAD: tl.constexpr, UPCAST: tl.constexpr,
-                   ROPE: tl.constexpr, HALF_ROT: tl.constexpr, PDL: tl.constexpr):
+                   ROPE: tl.constexpr, HALF_ROT: tl.constexpr, PDL: tl.constexpr, PREFIX: tl.constexpr):
     """Program (seq, kv_head, split): the GROUP query heads of one KV head over one slice of its keys.
 
     ROPE: q and this step's k, v come before RoPE and the cache write. Every program rotates its q; the
@@ -90,6 +90,9 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_p
     program sets it back to 0 for the next launch (a CUDA graph replays the same buffer). H200, 8B shape,
     same process: decode step at batch 1 / 4 / 8 4.406 / 4.551 / 4.803 -> 4.378 / 4.535 / 4.782 ms.
     PDL: launched with programmatic dependent launch (kernels/pdl.py): wait for the kernel ahead first.
+    PREFIX (one split, no RoPE): each sequence's first prefix_lens[seq] keys were attended already by the
+    shared-prefix launch (kernels/cascade.py), which left its partial in prefix_acc / prefix_ml; this program
+    reads only the keys after them and merges that partial into its own.
     """
     if PDL:
         tl_cuda.gdc_wait()
@@ -97,9 +100,14 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_p
     seq_len = tl.load(seq_lens_ptr + seq)
     # Each sequence cuts its own keys into num_splits slices of whole tiles, from its length on the
     # device: a CUDA graph captured once serves every context, and short sequences leave splits empty.
-    tokens_per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    start = split * tokens_per_split
-    end = tl.minimum(start + tokens_per_split, seq_len)
+    if PREFIX:
+        prefix_len = tl.load(prefix_lens_ptr + seq)
+        start = prefix_len
+        end = seq_len
+    else:
+        tokens_per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+        start = split * tokens_per_split
+        end = tl.minimum(start + tokens_per_split, seq_len)
 
     offs_g = tl.arange(0, GROUP_PAD)
     g_mask = offs_g < GROUP
@@ -159,6 +167,17 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_p
                               seq * GROUP * tl.num_programs(1), num_splits, stride_oh, GROUP, HEAD_DIM, HEAD_DIM_PAD,
                               MERGE_GROUP, SPLITS_PAD)
     else:
+        if PREFIX:  # the shared prefix's partial: empty (m = -inf, l = 0) where the sequence has none
+            row = seq * GROUP * tl.num_programs(1) + heads
+            has = g_mask & (offs_g * 0 + prefix_len > 0)  # a tensor: the interpreter takes no scalar in a mask
+            m_p = tl.load(prefix_ml_ptr + row * 2, mask=has, other=float("-inf"))
+            l_p = tl.load(prefix_ml_ptr + row * 2 + 1, mask=has, other=0.0)
+            acc_p = tl.load(prefix_acc_ptr + row[:, None] * HEAD_DIM_PAD + offs_d[None, :],
+                            mask=has[:, None] & d_mask[None, :], other=0.0)
+            m_new = tl.maximum(m_i, m_p)  # m_i is finite: the step's own key is always after the prefix
+            alpha, beta = tl.exp2(m_i - m_new), tl.exp2(m_p - m_new)
+            acc = acc * alpha[:, None] + acc_p * beta[:, None]
+            l_i = l_i * alpha + l_p * beta
         out = acc / l_i[:, None]
         tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=out_mask)
@@ -222,7 +241,7 @@ ROPE_MAX_BATCH = 64
 
 def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale=None, max_seq_len=None, out=None,
                            num_splits=None, block_n=None, num_warps=None, num_stages=None, merge=True, new_kv=None,
-                           pdl_chain=False):
+                           pdl_chain=False, prefix=None):
     """q [B, H, D] (one token per sequence) -> [B, H, D]. seq_lens / block_tables stay on the device.
 
     max_seq_len is accepted for symmetry with the prefill launcher: every sequence sizes its own splits.
@@ -232,6 +251,8 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale=No
     sequences; from there rope_and_write_kv runs first, as its own launch.
     pdl_chain: the kernel ahead of this one is launched with programmatic dependent launch too (our GEMV,
     kernels/pdl.py): launch this one that way (not after rope_and_write_kv).
+    prefix=(prefix_lens, acc, ml): the keys before prefix_lens[b] were attended by cascade.py's shared-prefix
+    launch, whose partials these are; q must be rotated already (new_kv None) and the launch is not split.
     """
     B, H, D = q.shape
     _, block_size, Hkv, _ = k_cache.shape
@@ -247,7 +268,8 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale=No
         k_new, v_new, positions, cos_sin, slots = new_kv
         q, new_kv = rope_and_write_kv(q, k_new, v_new, positions, cos_sin, k_cache, v_cache, slots), None
     auto_splits, auto_block_n, auto_warps = decode_config(B, Hkv)
-    num_splits = num_splits or auto_splits
+    num_splits = 1 if prefix is not None else num_splits or auto_splits
+    assert prefix is None or new_kv is None, "the shared-prefix launch needs q rotated already"
     block_n = block_n or (auto_block_n if D <= 128 else 32)
     split = num_splits > 1
     d_pad = triton.next_power_of_2(D)
@@ -269,7 +291,8 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale=No
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1),
         k_new, v_new, positions, cos_sin, slots, k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
-        cos_sin.stride(0), ROPE=new_kv is not None, HALF_ROT=cos_sin.shape[-1] // 2 if new_kv is not None else 1,
+        cos_sin.stride(0), *(prefix if prefix is not None else (seq_lens, out, out)), PREFIX=prefix is not None,
+        ROPE=new_kv is not None, HALF_ROT=cos_sin.shape[-1] // 2 if new_kv is not None else 1,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=D, HEAD_DIM_PAD=d_pad,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, SPLIT=split, MERGE=arrivals is not None,
         MERGE_GROUP=max(2, triton.next_power_of_2(group)), SPLITS_PAD=splits_pad, UPCAST=not q.is_cuda,

@@ -37,8 +37,8 @@ def forget_compiled_kernels():
 
     from triton.runtime.jit import JITFunction
 
-    for name in ("activation", "attention", "fp8", "gemv", "greedy", "kv_cache", "norm", "prefill_attention", "rope",
-                 "sampling"):
+    for name in ("activation", "attention", "cascade", "fp8", "gemv", "greedy", "kv_cache", "norm",
+                 "prefill_attention", "rope", "sampling"):
         module = importlib.import_module(f"pagefleet.kernels.{name}")
         for obj in vars(module).values():
             if isinstance(obj, JITFunction):
@@ -102,6 +102,34 @@ def assert_near_transformers(path, prompts, outs):
         hf_bf16_error = (chosen_logprobs(hf16, p, toks) - ref).abs().max().item()
         ours = torch.tensor([e.logprob for e in out.outputs[0].logprobs], device="cuda")
         assert (ours - ref).abs().max().item() <= max(2 * hf_bf16_error, 0.05)
+
+
+def test_cascade_decode_steps_near_transformers(tiny_models, monkeypatch):
+    """Eager decode steps of 64 rows, 4 prompts x n = 16: the samples of each prompt read its shared blocks once a
+    group (kernels/cascade.py), and the logprobs stay within the bf16 bound of transformers. The start-up warm-up
+    compiled both of the cascade's launches: none compiles mid-run."""
+    path = tiny_models["llama"]
+    forget_compiled_kernels()
+    llm = LLM(str(path), dtype="bfloat16", max_model_len=512, max_num_seqs=64, enforce_eager=True,
+              gpu_memory_fraction=0.2)
+    compiled = record_compiles(monkeypatch)
+    runner = llm.engine.runner
+    config = runner.model_config  # 64 rows a program: samples x the query heads of a KV head (rounded up)
+    assert runner.cascade_samples == 64 // (config.num_attention_heads // config.num_key_value_heads)
+    original, cascaded = runner.prepare, []
+
+    def recording(batch):
+        step = original(batch)
+        cascaded.append(step.cascade is not None)
+        return step
+
+    runner.prepare = recording
+    prompts = [list(range(1000 + 13 * i, 1040 + 30 * i)) for i in range(4)]  # 40 / 57 / 74 / 91 tokens
+    outs = llm.generate(prompts, SamplingParams(n=16, temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0))
+    assert sum(cascaded) >= 6  # every decode step of the 64 rows
+    assert all(len({tuple(c.token_ids) for c in out.outputs}) == 1 for out in outs)  # greedy: one answer a prompt
+    assert not [c for c in compiled if c[0] in ("_prefix_kernel", "_decode_kernel")], compiled
+    assert_near_transformers(path, prompts, outs)
 
 
 def test_bf16_decode_graphs_of_17_to_32_sequences_through_the_gemv(tiny_models, monkeypatch, folded_rows):

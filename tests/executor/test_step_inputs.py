@@ -7,7 +7,7 @@ import torch
 
 from pagefleet.worker import LLM, SamplingParams
 from pagefleet.worker.core.scheduler import ScheduledBatch, _decodes_first
-from pagefleet.worker.executor.step_inputs import feed_device_tokens, upload_int32, upload_rows
+from pagefleet.worker.executor.step_inputs import feed_device_tokens, shared_prefix_groups, upload_int32, upload_rows
 
 
 def naive_prepare(batch, block_size):
@@ -93,3 +93,84 @@ def test_one_token_entries_lead_the_batch_in_order():
     _decodes_first(batch)
     assert [s.name for s in batch.seqs] == ["a", "c", "e", "f", "b", "d"]
     assert batch.num_new_tokens == [1, 1, 1, 1, 30, 7]
+
+
+def naive_groups(tables, seq_lens, block_size, samples):
+    """Row by row: runs of equal first blocks, cut every `samples` rows; each group's prefix the whole blocks all of
+    its rows hold in the same places, before its shortest row's newest token."""
+    groups, prefix_lens, b, n = [], [0] * len(seq_lens), 0, len(seq_lens)
+    while b < n:
+        end = b + 1
+        while end < n and end - b < samples and tables[end][0] == tables[b][0]:
+            end += 1
+        blocks = 0
+        while blocks < len(tables[b]) and all(tables[r][blocks] == tables[b][blocks] for r in range(b, end)):
+            blocks += 1
+        blocks = min(blocks, (min(seq_lens[b:end]) - 1) // block_size)
+        if end - b > 1 and blocks > 0:
+            groups.append([b, end - b, blocks * block_size])
+            prefix_lens[b:end] = [blocks * block_size] * (end - b)
+        b = end
+    return groups, prefix_lens
+
+
+@pytest.mark.parametrize("samples", [2, 4, 16])
+def test_shared_prefix_groups_match_a_row_by_row_rebuild(samples):
+    """The n samples of a prompt side by side share its blocks: random runs of rows with shared leading blocks and
+    tails of their own, lone rows, and padding rows (table -1, length 1) like a graph's."""
+    rng = np.random.default_rng(7)
+    bs, width = 16, 12
+    for _ in range(20):
+        rows, lens, next_block = [], [], 0
+        while len(rows) < 40:
+            n, prompt_blocks = int(rng.integers(1, 9)), int(rng.integers(0, 5))
+            prompt = list(range(next_block, next_block + prompt_blocks))
+            next_block += prompt_blocks
+            for _ in range(n):
+                length = prompt_blocks * bs + int(rng.integers(-bs, 3 * bs))
+                length = max(1, length)
+                own = -(-length // bs) - prompt_blocks
+                table = (prompt[: -(-length // bs)] + list(range(next_block, next_block + max(own, 0))))[:width]
+                next_block += max(own, 0)
+                rows.append(table + [0] * (width - len(table)))
+                lens.append(length)
+        rows += [[-1] * width] * 3
+        lens += [1] * 3
+        tables, seq_lens = np.array(rows, dtype=np.int32), np.array(lens, dtype=np.int32)
+        groups, prefix_lens = shared_prefix_groups(tables, seq_lens, bs, samples)
+        want_groups, want_lens = naive_groups(rows, lens, bs, samples)
+        assert groups.tolist() == want_groups and prefix_lens.tolist() == want_lens
+        assert groups.dtype == prefix_lens.dtype == np.int32
+
+
+def test_cascade_decode_steps_give_the_same_outputs(tiny_models):
+    """Decode steps of 64 rows, 4 prompts x n = 16 side by side, with their shared-prefix groups on (the CPU runs the
+    reference attention over each row's whole table, so this checks the groups' way into the step: the metadata
+    upload and RoPE before the attention) and off: the same tokens and logprobs, and the groups as the scheduler
+    lays the samples out (16 rows a group, each prompt's whole blocks shared)."""
+    llm = LLM(str(tiny_models["llama"]), max_model_len=256, max_num_seqs=64, block_size=8,
+              enable_prefix_caching=False)  # the second run computes its prompts again, as the first did
+    runner = llm.engine.runner
+    prompts = [list(range(1000 + 13 * i, 1040 + 30 * i)) for i in range(4)]  # 40 / 57 / 74 / 91 tokens
+    params = SamplingParams(n=16, temperature=1.0, seed=3, max_tokens=6, ignore_eos=True, logprobs=0)
+    assert runner.cascade_samples == 0  # no Triton: no cascade of its own
+    plain = llm.generate(prompts, params)
+    runner.cascade_samples = 16
+    original, seen = runner.prepare, []
+
+    def recording(batch):
+        step = original(batch)
+        if step.cascade is not None:
+            seen.append(step.cascade)
+        return step
+
+    runner.prepare = recording
+    cascaded = llm.generate(prompts, params)
+    assert seen, "no decode step took the cascade"
+    groups, prefix_lens = seen[0]
+    assert groups[:, 1].tolist() == [16] * 4 and groups[:, 2].tolist() == [40, 56, 72, 88]
+    assert prefix_lens.tolist() == [int(g) for g in groups[:, 2] for _ in range(16)]
+    for a, b in zip(plain, cascaded, strict=True):
+        assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
+        logprobs = [[[e.logprob for e in c.logprobs] for c in out.outputs] for out in (a, b)]
+        assert logprobs[0] == logprobs[1]

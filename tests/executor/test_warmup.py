@@ -12,10 +12,11 @@ from pagefleet.worker.models.layers import ops
 
 def test_shares_cover_every_case_once(monkeypatch):
     monkeypatch.setattr(ops, "decode_warmup_batches", lambda max_num_seqs, kv_heads: [1, 4, 16, 64])
-    cases = warmup_cases(256, 8)
-    assert len(cases) == 4 + 2 * 4 and (64, []) in cases and (64, [3]) in cases
+    cases = warmup_cases(256, 8, cascade=True)
+    assert len(cases) == 4 + 2 * 4 + 1 and (64, [], False) in cases and (64, [3], False) in cases
+    assert (64, [], True) in cases and (64, [], True) not in warmup_cases(256, 8)
     for n in (1, 3, 5, 16):
-        shares = [warmup_cases(256, 8, (i, n)) for i in range(n)]
+        shares = [warmup_cases(256, 8, (i, n), cascade=True) for i in range(n)]
         assert sorted(c for s in shares for c in s) == sorted(cases)
 
 

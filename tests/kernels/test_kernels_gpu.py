@@ -45,6 +45,31 @@ def test_decode_bf16(block_size, num_splits, merge):
         close(out, ref.paged_decode_attention(q.float(), kc.float(), vc.float(), bt, sl), BF)
 
 
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(32, 8, 128), (24, 4, 256)])  # Llama-3.1-8B, Qwen3.6-27B
+def test_cascade_decode_bf16(heads, kv_heads, head_dim):
+    """GRPO's layout at the model shapes: 12 prompts of 100..700 tokens, n = 16 samples each side by side, sharing
+    the prompt's whole blocks and each with 1..300 keys of its own, plus 8 rows of their own; groups from
+    shared_prefix_groups, against the reference over each row's whole table."""
+    from pagefleet.kernels import cascade
+    from pagefleet.worker.executor.step_inputs import shared_prefix_groups
+
+    bs, n = 16, 16
+    prompts = torch.randint(100, 700, (12,)).tolist()
+    lens = [p + int(torch.randint(1, 300, ())) for p in prompts for _ in range(n)]
+    lens += torch.randint(1, 900, (8,)).tolist()
+    kc, vc, bt, sl = paged(lens, kv_heads, head_dim, bs)
+    for i, p in enumerate(prompts):  # the samples take their prompt's whole blocks from the first one's table
+        bt[i * n + 1 : (i + 1) * n, : p // bs] = bt[i * n, : p // bs]
+    samples = cascade.samples_per_program(heads, kv_heads)
+    groups, prefix_lens = shared_prefix_groups(bt.cpu().numpy(), sl.cpu().numpy(), bs, samples)
+    assert len(groups) == 12 * n // samples and all(prefix_lens[: 12 * n] > 0) and not prefix_lens[12 * n :].any()
+    q = torch.randn(len(lens), heads, head_dim, device="cuda", dtype=BF)
+    out = torch.full_like(q, float("nan"))
+    cascade.cascade_decode_attention(q, kc, vc, bt, sl, torch.from_numpy(groups).cuda(),
+                                     torch.from_numpy(prefix_lens).cuda(), out=out)
+    close(out, ref.paged_decode_attention(q.float(), kc.float(), vc.float(), bt, sl), BF)
+
+
 def test_decode_merge_in_a_graph_at_batch_1():
     """Batch 1, 16 splits merged in the kernel, replayed from a CUDA graph over new queries and lengths."""
     from pagefleet.kernels import attention

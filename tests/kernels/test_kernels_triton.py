@@ -19,7 +19,7 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
 if os.environ.get("TRITON_INTERPRET") == "1":
     pytest.importorskip("triton")
     TK = {name: importlib.import_module(f"pagefleet.kernels.{name}") for name in (
-        "activation", "arrivals", "attention", "fp8", "fp8_skinny", "gemv", "greedy", "kv_cache", "norm",
+        "activation", "arrivals", "attention", "cascade", "fp8", "fp8_skinny", "gemv", "greedy", "kv_cache", "norm",
         "prefill_attention", "rope")}
 
 # ---------------------------------------------------------------- Triton (interpreter) against references
@@ -91,6 +91,39 @@ def test_triton_decode_attention_with_rope(dtype, group, num_splits, rot, in_ker
     assert torch.equal(out, expected)
     close(out, ref.paged_decode_attention(q.float(), k_cache.float(), v_cache.float(), bt, seq_lens,
                                           new_kv=(k.float(), v.float(), positions, cos_sin, slots)), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("group", [1, 4])
+def test_triton_cascade_decode_attention(dtype, group):
+    """Groups of rows sharing their first blocks (the samples of one prompt): the shared prefix attended once per
+    group, each row's own keys after it, merged; against the plain decode reference over each row's whole table.
+    Rows 0-2 share two blocks and have tails of their own, row 3 shares nothing, rows 4-5 share one block, row 5's
+    own part a single key; a group's prefix may end inside the table's last shared block (row 4 holds 3 blocks)."""
+    gen = torch.Generator().manual_seed(12)
+    bs, hkv, d = 16, 2, 32
+    lens = [45, 40, 33, 20, 40, 17]
+    leaders = [0, 0, 0, None, 4, 4]
+    prefix_blocks = {0: 2, 4: 1}
+    k_cache = torch.randn(40, bs, hkv, d, generator=gen).to(dtype)
+    v_cache = torch.randn(40, bs, hkv, d, generator=gen).to(dtype)
+    free = torch.randperm(40, generator=gen).tolist()
+    shared = {lead: [free.pop() for _ in range(nb)] for lead, nb in prefix_blocks.items()}
+    bt = torch.full((len(lens), 4), -1, dtype=torch.int32)
+    for b, (n, lead) in enumerate(zip(lens, leaders, strict=True)):
+        own = list(shared.get(lead, []))
+        own += [free.pop() for _ in range(-(-n // bs) - len(own))]
+        bt[b, : len(own)] = torch.tensor(own, dtype=torch.int32)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    groups = torch.tensor([[0, 3, 32], [4, 2, 16]], dtype=torch.int32)
+    prefix_lens = torch.tensor([32, 32, 32, 0, 16, 16], dtype=torch.int32)
+    q = torch.randn(len(lens), hkv * group, d, generator=gen).to(dtype)
+    expected = ref.paged_decode_attention(q.float(), k_cache.float(), v_cache.float(), bt, seq_lens)
+    out = torch.full_like(q, float("nan"))  # poisoned: every element must be written
+    TK["cascade"].cascade_decode_attention(q, k_cache, v_cache, bt, seq_lens, groups, prefix_lens, out=out,
+                                           block_n=16)
+    close(out, expected, dtype)
+    assert TK["cascade"].samples_per_program(hkv * group, hkv) == {1: 64, 4: 16}[group]
 
 
 def test_triton_decode_stale_max_seq_len():

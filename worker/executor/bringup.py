@@ -16,6 +16,7 @@ from pagefleet.worker.executor.sampler import Sampler
 from pagefleet.worker.executor.sleep import SleepMode
 from pagefleet.worker.executor.startup.warmup import warm_up
 from pagefleet.worker.executor.state_cache import StateCache, is_stateful, slot_counts
+from pagefleet.worker.executor.step_inputs import CASCADE_MIN_ROWS
 from pagefleet.worker.models.layers import ops, parallel
 from pagefleet.worker.models.loader import build_model
 from pagefleet.worker.models.registry import ModelConfig
@@ -115,6 +116,9 @@ def bring_up(runner, model_path, compile_workers=None, compile_share: tuple[int,
             torch.cuda.empty_cache()
         runner.kv.data = runner.sleep_mode.allocate_kv(shape, dtype)
     runner.kv.bind(runner.model)
+    # eager decode steps of many rows (past the decode graphs) read each prompt's shared blocks once a group
+    runner.cascade_samples = ops.cascade_samples(shard.num_attention_heads, shard.num_key_value_heads) \
+        if config.max_num_seqs >= CASCADE_MIN_ROWS else 0
     if device.type == "cuda":
         warm_up(runner, compile_share)
         if not config.enforce_eager:

@@ -25,11 +25,13 @@ from pagefleet.worker.executor.graphs.mixed import MixedGraphs
 from pagefleet.worker.executor.graphs.prompt import PromptGraphs
 from pagefleet.worker.executor.sampler import Sampled
 from pagefleet.worker.executor.step_inputs import (
+    CASCADE_MIN_ROWS,
     StepInputs,
     eager_metadata,
     feed_device_tokens,
     prepare,
     sampled_rows,
+    shared_prefix_groups,
     upload_rows,
 )
 from pagefleet.worker.models.layers.context import forward_context
@@ -115,8 +117,16 @@ class ModelRunner:
     # ---- step
 
     def prepare(self, batch: ScheduledBatch) -> StepInputs:
-        """Host arrays for one step (step_inputs.prepare)."""
-        return prepare(batch, self.block_size)
+        """Host arrays for one step (step_inputs.prepare), with the shared-prefix groups of an eager decode step of
+        CASCADE_MIN_ROWS rows or more (rows past the decode graphs: GRPO's 64 prompts x 16 samples)."""
+        step = prepare(batch, self.block_size)
+        if (self.cascade_samples and step.is_decode and step.num_seqs >= CASCADE_MIN_ROWS
+                and not self.cuda_graphs.fits(step)):
+            groups, prefix_lens = shared_prefix_groups(step.tables, step.seq_lens, self.block_size,
+                                                       self.cascade_samples)
+            if len(groups):
+                step = step._replace(cascade=(groups, prefix_lens))
+        return step
 
     def run(self, batch: ScheduledBatch, feed: tuple[np.ndarray, torch.Tensor] | None = None) -> torch.Tensor | None:
         """Forward the scheduled tokens; returns logits [rows, vocab] for the sequences that sample (None if none do).
@@ -152,7 +162,7 @@ class ModelRunner:
     def _run_eager(self, step: StepInputs, feed, lora_mapping) -> torch.Tensor | None:
         tokens_d = upload_rows(step.tokens, self.device)
         meta = eager_metadata(self.device, tokens_d[2], step.tables, step.seq_lens, step.cu, step.num_decodes,
-                              step.is_decode, step.state_slots)
+                              step.is_decode, step.state_slots, step.cascade)
         if feed is not None:
             feed_device_tokens(tokens_d[0], feed)
         with forward_context(meta, lora_mapping):

@@ -28,6 +28,8 @@ class StepInputs(NamedTuple):
     logits_rows: list[int]  # the token rows whose sequences sample
     num_decodes: int  # one-token entries leading a step that also has prompt chunks (0 in a pure decode step)
     state_slots: np.ndarray | None = None  # [n] int32: each sequence's state slot (models with recurrent state)
+    # an eager decode step whose rows share prompt blocks: shared_prefix_groups' (groups, prefix_lens)
+    cascade: tuple[np.ndarray, np.ndarray] | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -100,14 +102,22 @@ def upload_int32(device: torch.device, *arrays: np.ndarray) -> list[torch.Tensor
 
 
 def eager_metadata(device: torch.device, slot_mapping: torch.Tensor, tables: np.ndarray, seq_lens: np.ndarray,
-                   cu: np.ndarray, num_decodes: int, is_decode: bool,
-                   state_slots: np.ndarray | None = None) -> AttentionMetadata:
+                   cu: np.ndarray, num_decodes: int, is_decode: bool, state_slots: np.ndarray | None = None,
+                   cascade: tuple[np.ndarray, np.ndarray] | None = None) -> AttentionMetadata:
     """The attention context of an eager step; the first `num_decodes` sequences have one token each.
-    state_slots: each sequence's state slot (models with recurrent state), uploaded with the other int32s."""
+    state_slots: each sequence's state slot (models with recurrent state), cascade: a decode step's shared-prefix
+    groups and prefix lengths; both uploaded with the other int32s."""
     block_tables = torch.from_numpy(tables).to(device, non_blocking=True)
     extra = () if state_slots is None else (state_slots,)
-    seq_lens_d, cu_d, prefill_lens_d, prefill_cu_d, *state_d = upload_int32(
+    if cascade is not None:
+        extra += (cascade[0].reshape(-1), cascade[1])
+    seq_lens_d, cu_d, prefill_lens_d, prefill_cu_d, *extra_d = upload_int32(
         device, seq_lens, cu, seq_lens[num_decodes:], cu[num_decodes:] - cu[num_decodes], *extra)
+    state_d = extra_d[:1] if state_slots is not None else []
+    cascade_d = None
+    if cascade is not None:
+        groups_d, prefix_lens_d = extra_d[-2:]
+        cascade_d = (groups_d.view(-1, 3), prefix_lens_d)
     return AttentionMetadata(
         slot_mapping=slot_mapping,
         block_tables=block_tables,
@@ -120,6 +130,7 @@ def eager_metadata(device: torch.device, slot_mapping: torch.Tensor, tables: np.
         prefill_seq_lens=prefill_lens_d,
         prefill_cu_seqlens_q=prefill_cu_d,
         state_slots=state_d[0] if state_d else None,
+        cascade=cascade_d,
     )
 
 
@@ -142,3 +153,39 @@ def sampled_rows(x: torch.Tensor, logits_rows: list[int]) -> torch.Tensor:
     if len(logits_rows) == x.shape[0]:
         return x
     return x[torch.tensor(logits_rows, dtype=torch.long, device=x.device)]
+
+
+# Eager decode steps of this many rows or more look for rows sharing prompt blocks (kernels/cascade.py); from here
+# the decode kernel runs RoPE as a launch of its own anyway (attention.ROPE_MAX_BATCH), which the cascade needs.
+CASCADE_MIN_ROWS = 64
+
+
+def shared_prefix_groups(tables: np.ndarray, seq_lens: np.ndarray, block_size: int,
+                         samples: int) -> tuple[np.ndarray, np.ndarray]:
+    """Runs of decode rows whose block tables start with the same blocks (the samples of one prompt, kept side by
+    side by the scheduler, or prompts that hit the same cached prefix), for kernels/cascade.py.
+
+    A run is cut into groups of at most `samples` rows. A group shares the whole blocks every row holds in the
+    same places, up to the last whole block before its shortest row's newest token (that token's block is each
+    row's own). -> (groups [G, 3] int32: first row, rows, prefix tokens, only groups of 2 rows or more sharing a
+    block; prefix_lens [n] int32: each row's group's prefix tokens, 0 outside a group).
+    """
+    n = len(seq_lens)
+    first = tables[:, 0]
+    new_run = np.empty(n, dtype=bool)
+    new_run[0] = True
+    np.not_equal(first[1:], first[:-1], out=new_run[1:])
+    run_starts = np.flatnonzero(new_run)
+    in_run = np.arange(n) - run_starts[np.cumsum(new_run) - 1]
+    starts = np.flatnonzero(in_run % samples == 0)
+    sizes = np.diff(np.append(starts, n))
+    leaders = np.repeat(starts, sizes)
+    same = tables == tables[leaders]
+    leading = np.logical_and.accumulate(same, axis=1).sum(axis=1)  # whole blocks each row shares with its leader
+    shared = np.minimum.reduceat(leading, starts)
+    limit = (np.minimum.reduceat(seq_lens, starts).astype(np.int64) - 1) // block_size
+    prefix = np.minimum(shared, limit) * block_size
+    keep = (sizes > 1) & (prefix > 0)
+    groups = np.stack([starts[keep], sizes[keep], prefix[keep]], axis=1).astype(np.int32)
+    prefix_lens = np.repeat(np.where(keep, prefix, 0), sizes).astype(np.int32)
+    return groups, prefix_lens

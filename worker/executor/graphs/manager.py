@@ -57,6 +57,10 @@ class CUDAGraphs:
                 self.capture_seconds += kind.capture_seconds
             setattr(self, name, kind)
 
+    def fits(self, step: StepInputs) -> bool:
+        """Whether a captured graph runs this step (replay would not return None)."""
+        return any(kind is not None and kind.fits(step) for kind in (self.decode, self.prompt, self.mixed))
+
     def replay(self, step: StepInputs, feed: tuple[np.ndarray, torch.Tensor] | None = None) -> torch.Tensor | None:
         """Replay the graph the step fits: -> the logits of its rows that sample (zero rows when none do). None:
         no graph fits, the step runs eagerly. feed: tokens still on the device (step_inputs.feed_device_tokens)."""

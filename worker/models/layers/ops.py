@@ -26,8 +26,8 @@ def use_triton(enabled: bool) -> None:
         _triton = None
         return
     # imported here, not at the top: the Triton modules import triton, which CPU-only processes skip
-    names = ("activation", "arrivals", "attention", "causal_conv1d", "fp8", "fp8_skinny", "gdn_chunk", "gdn_norm",
-             "gdn_recurrent", "gemv", "greedy", "kv_cache", "norm", "prefill_attention", "rope")
+    names = ("activation", "arrivals", "attention", "cascade", "causal_conv1d", "fp8", "fp8_skinny", "gdn_chunk",
+             "gdn_norm", "gdn_recurrent", "gemv", "greedy", "kv_cache", "norm", "prefill_attention", "rope")
     _triton = {name: importlib.import_module(f"pagefleet.kernels.{name}") for name in names}
 
 
@@ -229,6 +229,22 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, m
         q, k_cache, v_cache, block_tables, seq_lens, scale=scale, max_seq_len=max_seq_len, out=out,
         num_splits=splits, new_kv=new_kv, pdl_chain=pdl_chain,
     )
+
+
+def cascade_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len, groups, prefix_lens):
+    """Decode attention where groups of rows share their first blocks (kernels/cascade.py): q rotated, the step's
+    keys in the cache already. The reference has no such split: it attends each row over its whole table."""
+    if not _triton:
+        return ref.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale=scale,
+                                          max_seq_len=max_seq_len)
+    return _triton["cascade"].cascade_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, groups,
+                                                       prefix_lens, scale=scale)
+
+
+def cascade_samples(num_heads: int, num_kv_heads: int) -> int:
+    """Rows one shared-prefix program serves (a longer run of rows sharing a prefix is cut into groups of this
+    many); 0 without Triton, where decode attention has no cascade form."""
+    return _triton["cascade"].samples_per_program(num_heads, num_kv_heads) if _triton else 0
 
 
 def paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, max_seq_len,

@@ -31,6 +31,9 @@ class AttentionMetadata:
     prefill_cu_seqlens_q: torch.Tensor | None = None
     # models with recurrent layers: each sequence's state slot, in batch order (-1: a padding row); None without
     state_slots: torch.Tensor | None = None
+    # pure decode steps whose rows share their first blocks (the samples of one prompt): (groups [G, 3], each
+    # row's prefix tokens [n]) on the device, step_inputs.shared_prefix_groups; None: no cascade this step
+    cascade: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class PagedAttention(nn.Module):
@@ -48,6 +51,12 @@ class PagedAttention(nn.Module):
         if not self.k_cache.numel():  # the profiling run has no cache
             q, k = ops.apply_rope(q, k, positions, cos_sin_cache)
             out = _attend_without_cache(q, k, v, meta, self.scale)
+        elif meta.cascade is not None:
+            # the samples of a prompt read its blocks once a group (kernels/cascade.py), so RoPE and the cache
+            # write go first, as they do from ROPE_MAX_BATCH rows anyway
+            q = ops.rope_and_write_kv(q, k, v, positions, cos_sin_cache, self.k_cache, self.v_cache, meta.slot_mapping)
+            out = ops.cascade_decode_attention(q, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens,
+                                               self.scale, meta.max_seq_len, *meta.cascade)
         elif meta.is_decode:
             # RoPE, the cache write and the attention in one launch: each new key is its sequence's last
             out = ops.paged_decode_attention(q, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens,
