@@ -14,7 +14,11 @@ every request arrives at once) and from step 100 (decodes).
 
 Usage: python3 benchmarks/step_breakdown.py MODEL [--quantization fp8] [--concurrency 64] [--requests 256]
          [--input-len 564] [--output-len 128] [--temperature 1.0] [--max-model-len 2048] [--fraction 0.85]
-         [--mixed-draw 0] [--max-num-seqs N] [--max-num-batched-tokens N] [--profile 40]
+         [--mixed-draw 0] [--n 16] [--max-num-seqs N] [--max-num-batched-tokens N] [--profile 40]
+
+`--n N` samples N continuations of each prompt, seeded by request, as GRPO rollouts do (side_offline.py --grpo:
+`--n 16 --concurrency 64 --requests 64 --input-len 256 --output-len 512 --max-num-seqs 1024`); `--no-cascade` times
+the same without the shared-prefix attention (kernels/cascade.py).
 """
 
 from __future__ import annotations
@@ -106,6 +110,9 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=5)
     p.add_argument("--mixed-draw", type=int, default=None, metavar="SEED",
                    help="hybrid_bench.py's mixed lengths, all requests at once")
+    p.add_argument("--n", type=int, default=1, help="samples a prompt, seeded by request (GRPO rollouts)")
+    p.add_argument("--no-cascade", action="store_true",
+                   help="decode steps past the graphs read each row's whole table (kernels/cascade.py off)")
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--profile", type=int, default=0, metavar="STEPS", help="kernel table of STEPS middle steps")
@@ -115,6 +122,8 @@ def main() -> None:
                                     quantization=a.quantization, max_num_seqs=a.max_num_seqs,
                                     max_num_batched_tokens=a.max_num_batched_tokens))
     engine.emit_partial = False
+    if a.no_cascade:
+        engine.runner.cascade_samples = 0
     records: list = []
     timed_execute(engine.runner, records)
     rng = random.Random(a.seed)
@@ -127,7 +136,8 @@ def main() -> None:
     prompts = [[rng.randint(100, top) for _ in range(n)] for n, _ in lengths]
 
     def params(i: int = 0) -> SamplingParams:
-        return SamplingParams(temperature=a.temperature, max_tokens=lengths[i][1], ignore_eos=True, detokenize=False)
+        return SamplingParams(n=a.n, seed=i if a.n > 1 else None, temperature=a.temperature,
+                              max_tokens=lengths[i][1], ignore_eos=True, detokenize=False)
 
     engine.add_request("warm-up", prompts[0][:32], SamplingParams(temperature=a.temperature, max_tokens=4,
                                                                   ignore_eos=True, detokenize=False))
@@ -137,7 +147,7 @@ def main() -> None:
     records.clear()
     shape = "hybrid_bench's mixed draw" if a.mixed_draw is not None else f"{a.input_len} / {a.output_len} tokens"
     print(f"closed loop: {a.requests} requests of {shape}, {a.concurrency} in flight, temperature {a.temperature}, "
-          f"{a.quantization or 'no quantization'}, max_num_seqs {engine.config.max_num_seqs}", flush=True)
+          f"{a.quantization or 'no quantization'}, n {a.n}, max_num_seqs {engine.config.max_num_seqs}", flush=True)
     cuda = torch.cuda.is_available()
     windows = (3, 100) if a.profile else ()
     profiler, tables = None, {}
