@@ -141,6 +141,8 @@ def test_shared_prefix_groups_match_a_row_by_row_rebuild(samples):
         want_groups, want_lens = naive_groups(rows, lens, bs, samples)
         assert groups.tolist() == want_groups and prefix_lens.tolist() == want_lens
         assert groups.dtype == prefix_lens.dtype == np.int32
+    lone = shared_prefix_groups(np.arange(24, dtype=np.int32).reshape(8, 3), np.full(8, 40, np.int32), bs, samples)
+    assert lone[0].shape == (0, 3) and lone[1].tolist() == [0] * 8  # n = 1 traffic: no neighbours share a block
 
 
 def test_cascade_decode_steps_give_the_same_outputs(tiny_models):

@@ -113,7 +113,6 @@ def eager_metadata(device: torch.device, slot_mapping: torch.Tensor, tables: np.
         extra += (cascade[0].reshape(-1), cascade[1])
     seq_lens_d, cu_d, prefill_lens_d, prefill_cu_d, *extra_d = upload_int32(
         device, seq_lens, cu, seq_lens[num_decodes:], cu[num_decodes:] - cu[num_decodes], *extra)
-    state_d = extra_d[:1] if state_slots is not None else []
     cascade_d = None
     if cascade is not None:
         groups_d, prefix_lens_d = extra_d[-2:]
@@ -129,7 +128,7 @@ def eager_metadata(device: torch.device, slot_mapping: torch.Tensor, tables: np.
         prefill_block_tables=block_tables[num_decodes:],  # rows of 4k int32: 16-byte aligned
         prefill_seq_lens=prefill_lens_d,
         prefill_cu_seqlens_q=prefill_cu_d,
-        state_slots=state_d[0] if state_d else None,
+        state_slots=extra_d[0] if state_slots is not None else None,
         cascade=cascade_d,
     )
 
@@ -175,6 +174,8 @@ def shared_prefix_groups(tables: np.ndarray, seq_lens: np.ndarray, block_size: i
     new_run = np.empty(n, dtype=bool)
     new_run[0] = True
     np.not_equal(first[1:], first[:-1], out=new_run[1:])
+    if new_run.all():  # no two neighbours share a first block (n = 1 traffic): nothing to compare further
+        return np.empty((0, 3), dtype=np.int32), np.zeros(n, dtype=np.int32)
     run_starts = np.flatnonzero(new_run)
     in_run = np.arange(n) - run_starts[np.cumsum(new_run) - 1]
     starts = np.flatnonzero(in_run % samples == 0)

@@ -57,14 +57,17 @@ class CUDAGraphs:
                 self.capture_seconds += kind.capture_seconds
             setattr(self, name, kind)
 
+    def _kind_for(self, step: StepInputs):
+        """The captured kind whose graphs run this step, or None (the step runs eagerly)."""
+        return next((kind for kind in (self.decode, self.prompt, self.mixed) if kind is not None and kind.fits(step)),
+                    None)
+
     def fits(self, step: StepInputs) -> bool:
         """Whether a captured graph runs this step (replay would not return None)."""
-        return any(kind is not None and kind.fits(step) for kind in (self.decode, self.prompt, self.mixed))
+        return self._kind_for(step) is not None
 
     def replay(self, step: StepInputs, feed: tuple[np.ndarray, torch.Tensor] | None = None) -> torch.Tensor | None:
         """Replay the graph the step fits: -> the logits of its rows that sample (zero rows when none do). None:
         no graph fits, the step runs eagerly. feed: tokens still on the device (step_inputs.feed_device_tokens)."""
-        for kind in (self.decode, self.prompt, self.mixed):
-            if kind is not None and kind.fits(step):
-                return kind.replay(kind.stage(step, feed), step)
-        return None
+        kind = self._kind_for(step)
+        return kind.replay(kind.stage(step, feed), step) if kind is not None else None
