@@ -2,8 +2,9 @@
 single tokens (as Qwen3 has them: added, not special, so they stay in the decoded text), a Qwen3-style chat
 template, and a tiny random Qwen3 checkpoint over it.
 
-The template's generation prompt follows the last user message's ending: "/no_think" gives Qwen3's non-thinking
-prompt (`<think>\n\n</think>\n\n`, what its template writes for enable_thinking=False), "/think" opens the block
+The template's generation prompt follows the last user message's ending: "/no_think" (or the template variable
+enable_thinking=False, as Qwen3's reads it) gives Qwen3's non-thinking prompt (`<think>\n\n</think>\n\n`), "/think"
+opens the block
 (`<think>\n`, as DeepSeek-R1's and Qwen3-Thinking's templates do), anything else leaves the block to the model
 (Qwen3's thinking mode). Earlier assistant turns keep their think blocks, so a closed block can sit in the history.
 """
@@ -19,7 +20,8 @@ from pagefleet.worker.models.loader import bundled_model_path
 THINK_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n"
-    "{% if messages[-1]['content'].endswith('/no_think') %}<think>\n\n</think>\n\n"
+    "{% if messages[-1]['content'].endswith('/no_think') or enable_thinking is defined and not enable_thinking %}"
+    "<think>\n\n</think>\n\n"
     "{% elif messages[-1]['content'].endswith('/think') %}<think>\n{% endif %}{% endif %}"
 )
 VOCAB = 49216  # the model's logits rows: past the tokenizer's 49154 ids, as real checkpoints pad them

@@ -1,11 +1,12 @@
-"""Chat prompts (chat_template.py): the tools a prompt shows for each tool_choice, and where the reply's own part
-of the prompt stands in a think block (whether a reasoning model's constraint waits for `</think>`)."""
+"""Chat prompts (chat_template.py): the tools a prompt shows for each tool_choice, where the reply's own part of
+the prompt stands in a think block (whether a reasoning model's constraint waits for `</think>`), the template's
+own switches (chat_template_kwargs) and continuing the final message."""
 
 import pytest
 from transformers import AutoTokenizer
 
-from pagefleet.worker.entrypoints.chat_template import ChatTemplate
-from pagefleet.worker.entrypoints.protocol import ChatMessage, prompt_tools
+from pagefleet.worker.entrypoints.chat_template import ChatTemplate, template_variables
+from pagefleet.worker.entrypoints.protocol import APIError, ChatMessage, prompt_tools
 from pagefleet.worker.entrypoints.reasoning import reasoning_ended, think_token_ids
 from pagefleet.worker.entrypoints.tool_parsers import tool_parser
 from think_models import think_tokenizer
@@ -91,3 +92,54 @@ def test_the_replys_own_prompt_decides_whether_reasoning_ended(think, messages, 
     assert reasoning_ended(tokenizer.encode(reply, add_special_tokens=False), start, end) is ended
     if len(messages) > 1 and not ended:  # (the reply's prompt has no marker here)
         assert reasoning_ended(ids, start, end)  # the whole prompt would have said ended
+
+
+def test_template_variables_are_the_switches_a_template_reads(bundled, think):
+    assert template_variables(think[0].chat_template) == {"enable_thinking"}
+    assert template_variables(bundled.chat_template) == set()  # messages and add_generation_prompt are ours
+    named = {"default": TOOLS_TEMPLATE, "other": "{{ messages[0]['content'] }}{% if flag %}!{% endif %}"}
+    assert template_variables(named) == {"flag"}  # a dict of named templates: every one's
+    assert template_variables("{% generation %}{{ x }}{% endgeneration %}") == {"x"}  # transformers' own tag
+
+
+def test_chat_template_kwargs_reach_the_template_and_unknown_ones_are_refused(think):
+    tokenizer, template, start, end = think
+    messages = msgs(("user", "Describe a cat."))
+    thinking, _ = template.render(messages)
+    text, ids = template.render(messages, template_kwargs={"enable_thinking": False})
+    assert text == template.render(msgs(("user", "Describe a cat. /no_think")))[0].replace(" /no_think", "")
+    assert text.endswith("<think>\n\n</think>\n\n") and not thinking.endswith("</think>\n\n")
+    assert template.render(messages, template_kwargs={"enable_thinking": True})[0] == thinking
+    reply = template.generation_prompt(messages, None, text, template_kwargs={"enable_thinking": False})
+    assert reasoning_ended(tokenizer.encode(reply, add_special_tokens=False), start, end)
+    for bad, says in (({"enable_thinkng": False}, "does not read 'enable_thinkng' (it reads enable_thinking)"),
+                      ({"tools": []}, "set by the request itself"),
+                      ({"add_generation_prompt": False}, "set by the request itself")):
+        with pytest.raises(APIError) as e:
+            template.render(messages, template_kwargs=bad)
+        assert e.value.status == 400 and e.value.param == "chat_template_kwargs"
+        assert f"chat_template_kwargs.{next(iter(bad))}" in str(e.value.body()) and says in str(e.value.body())
+
+
+def test_a_template_not_parsed_here_lets_the_kwargs_through(think):
+    template = ChatTemplate(think[0], tool_parser("hermes", None))
+    template.variables = None  # as template_variables leaves it for a template this parse misreads
+    text, _ = template.render(msgs(("user", "Hi")), template_kwargs={"enable_thinking": False, "other": 1})
+    assert text.endswith("</think>\n\n")
+
+
+def test_continue_final_message_leaves_the_last_turn_open(think):
+    tokenizer, template, start, end = think
+    messages = msgs(("user", "Describe a cat."), ("assistant", "<think>fur</think>The cat is"))
+    text, ids = template.render(messages, add_generation_prompt=False, continue_final_message=True)
+    closed, _ = template.render(messages, add_generation_prompt=False)
+    assert text.endswith("<|im_start|>assistant\n<think>fur</think>The cat is")
+    assert closed.startswith(text) and closed[len(text):] == "<|im_end|>\n"
+    assert ids == tokenizer.encode(text, add_special_tokens=False)
+    # the reply's own prompt is the open turn: its think block is closed, so a constraint would hold at once
+    reply = template.generation_prompt(messages, None, text, continue_final_message=True)
+    assert reply == "<|im_start|>assistant\n<think>fur</think>The cat is"
+    assert reasoning_ended(tokenizer.encode(reply, add_special_tokens=False), start, end)
+    with pytest.raises(APIError) as e:  # the generation prompt is on unless the request turns it off
+        template.render(messages, continue_final_message=True)
+    assert e.value.status == 400 and e.value.param == "continue_final_message"

@@ -84,6 +84,26 @@ def test_a_prompt_that_closed_the_block_is_constrained_from_the_start(client):
     jsonschema.validate(json.loads(c.message.content), SCHEMA)
 
 
+def test_enable_thinking_false_through_chat_template_kwargs_is_constrained_from_the_start(server, client):
+    """Qwen3's switch as clients send it (vLLM's chat_template_kwargs): the template closes the block itself, so
+    the schema holds from the first token; /tokenize renders the same prompt, and a misspelt switch is a 400."""
+    off = {"chat_template_kwargs": {"enable_thinking": False}}
+    c = chat(client, "Count.", response_format=JSON_SCHEMA, extra_body=off).choices[0]
+    assert c.finish_reason == "stop" and not c.message.model_extra.get("reasoning_content")
+    jsonschema.validate(json.loads(c.message.content), SCHEMA)
+    messages = [{"role": "user", "content": "Count."}]
+    rendered = [httpx.post(server.url + "/tokenize", json={"messages": messages, **kw}, headers=AUTH).json()["tokens"]
+                for kw in ({}, off)]
+    closed = httpx.post(server.url + "/tokenize", headers=AUTH,
+                        json={"prompt": "<think>\n\n</think>\n\n", "add_special_tokens": False}).json()["tokens"]
+    assert rendered[1] == rendered[0] + closed
+    assert chat(client, "Count.", max_tokens=1, extra_body=off).usage.prompt_tokens == len(rendered[1])
+    r = httpx.post(server.url + "/v1/chat/completions", headers=AUTH, json={
+        "messages": messages, "max_tokens": 1, "chat_template_kwargs": {"enable_thinkng": False}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs"
+    assert "enable_thinkng" in r.json()["error"]["message"]
+
+
 def test_required_tool_calls_come_after_the_reasoning(client, end_id):
     c = chat(client, "Weather in Rome? /think", tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
              logit_bias={str(end_id): 100}, max_tokens=120).choices[0]  # the call's JSON allows blanks

@@ -117,6 +117,25 @@ def test_chat_matches_offline(server, llm):
     assert (usage.prompt_tokens, usage.completion_tokens) == (len(ref.prompt_token_ids), len(want.token_ids))
 
 
+def test_continue_final_message_and_no_generation_prompt_match_offline(server, llm):
+    """vLLM's chat fields for the prompt: the reply goes on with the final assistant message (its text alone
+    comes back), or the conversation is sent without the template's generation prompt."""
+    client = server.client()
+    opened = [{"role": "user", "content": "Name a fruit."}, {"role": "assistant", "content": "My favourite fruit is"}]
+    for messages, fields in ((opened, {"add_generation_prompt": False, "continue_final_message": True}),
+                             (opened[:1], {"add_generation_prompt": False})):
+        ref = llm.chat([messages], greedy(12), **fields)[0]
+        assert ref.prompt_token_ids == llm.tokenizer(
+            llm.tokenizer.apply_chat_template(messages, tokenize=False, **fields), add_special_tokens=False).input_ids
+        r = client.chat.completions.create(model="smol", messages=messages, max_tokens=12, temperature=0,
+                                           extra_body=fields)
+        assert r.choices[0].message.content == ref.outputs[0].text
+        assert r.usage.prompt_tokens == len(ref.prompt_token_ids)
+    plain = llm.chat([opened], greedy(1))[0].prompt_token_ids
+    assert len(plain) > len(llm.chat([opened], greedy(1), add_generation_prompt=False,
+                                     continue_final_message=True)[0].prompt_token_ids)
+
+
 def test_n_choices_seed_and_usage(server):
     client = server.client()
     kw = dict(model="smol", prompt="My favourite colour is", max_tokens=8, n=3, temperature=1.0, seed=7,
@@ -178,6 +197,16 @@ def test_stop_across_token_boundary(server, llm, tokenizer):
                                        stream=True, extra_body={"ignore_eos": True})
     texts, finish, _ = stream_text(stream, chat=False)
     assert texts == {0: text[: text.find(stop)]} and finish == {0: "stop"}
+    # vLLM's include_stop_str_in_output: the text runs to the end of the stop string, streamed or not
+    kept = text[: text.find(stop) + len(stop)]
+    r = client.completions.create(model="smol", prompt=prompt, max_tokens=32, temperature=0, stop=[stop],
+                                  extra_body={"ignore_eos": True, "include_stop_str_in_output": True})
+    assert (r.choices[0].text, r.choices[0].finish_reason) == (kept, "stop")
+    stream = client.completions.create(model="smol", prompt=prompt, max_tokens=32, temperature=0, stop=stop,
+                                       stream=True, extra_body={"ignore_eos": True, "include_stop_str_in_output": True})
+    assert stream_text(stream, chat=False)[:2] == ({0: kept}, {0: "stop"})
+    offline = llm.generate([prompt], greedy(32, ignore_eos=True, stop=[stop], include_stop_str_in_output=True))
+    assert offline[0].outputs[0].text == kept
 
 
 def test_logprobs(server):
@@ -362,7 +391,12 @@ REFUSED = [  # (path, fields that change what is generated and that the server d
     ("/v1/completions", {"allowed_token_ids": [1, 2]}),
     ("/v1/completions", {"bad_words": ["x"]}),
     ("/v1/completions", {"prompt_logprobs": 1}),
-    ("/v1/completions", {"include_stop_str_in_output": True}),
+    ("/v1/completions", {"chat_template_kwargs": {"enable_thinking": False}}),  # chat's fields, not completions'
+    ("/v1/completions", {"continue_final_message": True}),
+    # the bundled template reads no switch; continuing the final message excludes the generation prompt
+    ("/v1/chat/completions", {"chat_template_kwargs": {"enable_thinking": False}}),
+    ("/v1/chat/completions", {"chat_template_kwargs": {"add_generation_prompt": False}}),
+    ("/v1/chat/completions", {"continue_final_message": True}),
     ("/v1/completions", {"logit_bias": {"x": 1}}),
     ("/v1/completions", {"logit_bias": {"1": 101}}),
     ("/v1/completions", {"logit_bias": {str(10**7): 1}}),

@@ -73,3 +73,25 @@ def test_a_bad_response_format_is_a_400_from_the_worker(gw):
                                              "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}})
     assert r.status_code == 400
     assert "response_format.json_schema.schema" in r.text
+
+
+def test_vllms_chat_fields_pass_through(gw):
+    """chat_template_kwargs, add_generation_prompt / continue_final_message and include_stop_str_in_output reach
+    the worker through LiteLLM: a partial assistant turn is continued (fewer prompt tokens than a new turn), the
+    stop string stays in the text, and a switch the template never reads comes back as the worker's 400."""
+    c = client(gw)
+    opened = [{"role": "user", "content": "Name a fruit."}, {"role": "assistant", "content": "My favourite is"}]
+    new_turn = c.chat.completions.create(model=MODEL, messages=opened, max_tokens=4, temperature=0)
+    go_on = c.chat.completions.create(model=MODEL, messages=opened, max_tokens=4, temperature=0,
+                                      extra_body={"add_generation_prompt": False, "continue_final_message": True})
+    assert 0 < go_on.usage.prompt_tokens < new_turn.usage.prompt_tokens
+    free = c.chat.completions.create(model=MODEL, messages=opened[:1], max_tokens=12, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].message.content
+    stop = free.strip()[:2]
+    kept = c.chat.completions.create(model=MODEL, messages=opened[:1], max_tokens=12, temperature=0, stop=[stop],
+                                     extra_body={"ignore_eos": True, "include_stop_str_in_output": True})
+    assert kept.choices[0].message.content == free[: free.find(stop) + len(stop)]
+    r = httpx.post(gw.url + "/v1/chat/completions", headers={"Authorization": f"Bearer {MASTER_KEY}"}, timeout=60,
+                   json={"model": MODEL, "messages": opened[:1], "max_tokens": 2,
+                         "chat_template_kwargs": {"enable_thinking": False}})
+    assert r.status_code == 400 and "chat_template_kwargs.enable_thinking" in r.text

@@ -146,7 +146,8 @@ def _advance(decoder: TextDecoder, seq: Sequence, ids: list[int], end: int) -> s
 
 
 def find_stop(seq: Sequence, piece: str) -> str | None:
-    """If a stop string now appears, cut the text before it and return it."""
+    """If a stop string now appears, cut the text before it (after it with include_stop_str_in_output) and
+    return it."""
     if not piece:
         return None
     for stop in seq.params.stop:
@@ -154,7 +155,7 @@ def find_stop(seq: Sequence, piece: str) -> str | None:
         start = max(len(seq.text) - len(piece) - len(stop) + 1, 0)
         at = seq.text.find(stop, start)
         if at != -1:
-            seq.text = seq.text[:at]
+            seq.text = seq.text[: at + len(stop) if seq.params.include_stop_str_in_output else at]
             return stop
     return None
 

@@ -112,6 +112,7 @@ class SamplingParams:
     logprobs: int | None = None  # top-k logprobs per generated token (0 = only the chosen token's)
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit before penalties and sampling
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False  # a stop string that ends the output stays in its text (vLLM's field)
     detokenize: bool = True  # False: token ids only (benchmarks); stop strings then need it on
     structured: StructuredOutputsParams | None = None  # output constrained by a grammar (json, regex, choice...)
 

@@ -26,8 +26,13 @@ class LLM:
     def encode(self, prompt: str | list[int]) -> list[int]:
         return list(prompt) if not isinstance(prompt, str) else self.tokenizer(prompt).input_ids
 
-    def chat_prompt_ids(self, messages: list[dict]) -> list[int]:
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    def chat_prompt_ids(self, messages: list[dict], add_generation_prompt: bool = True,
+                        continue_final_message: bool = False, chat_template_kwargs: dict | None = None) -> list[int]:
+        if add_generation_prompt and continue_final_message:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                                  continue_final_message=continue_final_message,
+                                                  **(chat_template_kwargs or {}))
         return self.tokenizer(text, add_special_tokens=False).input_ids
 
     def generate(
@@ -106,11 +111,16 @@ class LLM:
         self.engine.resume()
 
     def chat(self, conversations: list[dict] | list[list[dict]], params: SamplingParams | None = None,
-             use_tqdm: bool = False):
+             use_tqdm: bool = False, add_generation_prompt: bool = True, continue_final_message: bool = False,
+             chat_template_kwargs: dict | None = None):
+        """add_generation_prompt, continue_final_message, chat_template_kwargs: as vLLM's LLM.chat (the last
+        reaches the chat template as its variables, Qwen3's enable_thinking among them)."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
         params = params or SamplingParams()
-        return self._run([self.chat_prompt_ids(c) for c in conversations], [params] * len(conversations), use_tqdm)
+        ids = [self.chat_prompt_ids(c, add_generation_prompt, continue_final_message, chat_template_kwargs)
+               for c in conversations]
+        return self._run(ids, [params] * len(conversations), use_tqdm)
 
     def _run(self, prompt_ids: list[list[int]], params: list[SamplingParams], use_tqdm: bool,
              lora_name: str | None = None) -> list[RequestOutput]:

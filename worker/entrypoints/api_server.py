@@ -145,8 +145,10 @@ class ServerState:
                            f"you requested {len(ids) + (max_tokens or 1)} tokens ({len(ids)} in the prompt, "
                            f"{max_tokens or 1} to generate).", param=param, code="context_length_exceeded")
 
-    def chat_prompt(self, messages, add_generation_prompt: bool = True) -> list[int]:
-        return self.chat_template.render(messages, add_generation_prompt)[1]
+    def chat_prompt(self, messages, add_generation_prompt: bool = True, continue_final_message: bool = False,
+                    template_kwargs: dict | None = None) -> list[int]:
+        return self.chat_template.render(messages, add_generation_prompt, continue_final_message=continue_final_message,
+                                         template_kwargs=template_kwargs)[1]
 
     def after_reasoning(self, structured: StructuredOutputsParams | None, reply_prompt_ids: list[int]):
         """The request's constraint, gated on the reasoning end token where the server has a reasoning parser
@@ -284,11 +286,13 @@ def build_app(engine, served_model_name: str | list[str] | None = None, api_key:
         if parser is not None and not parser.skip_special_tokens:
             params.skip_special_tokens = False  # the format's marker is a special token
         shown = prompt_tools(tools, mode, state.exclude_tools_when_tool_choice_none)
-        text, ids = state.chat_template.render(body.messages, tools=shown)
+        text, ids = state.chat_template.render(body.messages, body.add_generation_prompt, shown,
+                                               body.continue_final_message, body.chat_template_kwargs)
         state.check_prompt(ids, max_tokens, "messages")
         if params.structured is not None and state.think_end_id is not None:
             # the reply's own part of the prompt decides: a closed think block in an earlier turn does not count
-            reply_prompt = state.chat_template.generation_prompt(body.messages, shown, text)
+            reply_prompt = state.chat_template.generation_prompt(body.messages, shown, text,
+                                                                 body.continue_final_message, body.chat_template_kwargs)
             params.structured = state.after_reasoning(
                 params.structured, state.tokenizer.encode(reply_prompt, add_special_tokens=False))
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -321,7 +325,8 @@ def build_app(engine, served_model_name: str | list[str] | None = None, api_key:
         if body.prompt is not None:
             ids = state.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         else:
-            ids = state.chat_prompt(body.messages, body.add_generation_prompt)
+            ids = state.chat_prompt(body.messages, body.add_generation_prompt, body.continue_final_message,
+                                    body.chat_template_kwargs)
         return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids}
 
     @app.post("/detokenize", responses=ERROR_RESPONSES)

@@ -1,14 +1,20 @@
 """Chat prompts: a request's messages and tools through the tokenizer's chat template, as text and token ids.
 
 Templates that know tools get them as apply_chat_template(tools=...); others get them as a system message in the
-tool parser's format, and earlier calls written into the assistant turns.
+tool parser's format, and earlier calls written into the assistant turns. A request's chat_template_kwargs (vLLM's
+field: Qwen3's `enable_thinking`) reach the template when it reads them; a name it never reads is a 400, so a
+misspelt switch is not silently dropped.
 """
 
 from __future__ import annotations
 
+import inspect
 import json
+import logging
 
 from pagefleet.worker.entrypoints.protocol import APIError, message_dicts
+
+log = logging.getLogger(__name__)
 
 
 class ChatTemplate:
@@ -21,27 +27,55 @@ class ChatTemplate:
         template = json.dumps(template) if not isinstance(template, str) else template
         self.renders_tools = "tools" in template
         self.renders_calls = "tool_calls" in template
+        self.variables = template_variables(tokenizer.chat_template)
 
-    def render(self, messages, add_generation_prompt: bool = True,
-               tools: list[dict] | None = None) -> tuple[str, list[int]]:
-        """The chat prompt as text and token ids, tools rendered as the template (or the parser) writes them."""
-        dicts, kwargs = self._inputs(messages, tools)
-        text = self._apply(dicts, add_generation_prompt, kwargs)
+    def render(self, messages, add_generation_prompt: bool = True, tools: list[dict] | None = None,
+               continue_final_message: bool = False,
+               template_kwargs: dict | None = None) -> tuple[str, list[int]]:
+        """The chat prompt as text and token ids, tools rendered as the template (or the parser) writes them.
+        continue_final_message: the last message is left open for the model to go on with (no end of turn), as
+        in transformers and vLLM; it excludes add_generation_prompt."""
+        if continue_final_message and add_generation_prompt:
+            raise APIError(400, "continue_final_message and add_generation_prompt cannot both be true; set "
+                           "add_generation_prompt to false to continue the final message.",
+                           param="continue_final_message")
+        dicts, kwargs = self._inputs(messages, tools, template_kwargs)
+        text = self._apply(dicts, add_generation_prompt, kwargs, continue_final_message)
         # The template already holds the special tokens (as LLM.chat does).
         return text, self.tokenizer.encode(text, add_special_tokens=False)
 
-    def generation_prompt(self, messages, tools: list[dict] | None, text: str) -> str:
-        """What the template adds for the reply (text is the prompt rendered with it): the prompt past the same
-        messages rendered without it, or the whole prompt where the two do not line up."""
-        dicts, kwargs = self._inputs(messages, tools)
+    def generation_prompt(self, messages, tools: list[dict] | None, text: str, continue_final_message: bool = False,
+                          template_kwargs: dict | None = None) -> str:
+        """What the prompt holds of the reply (text is the prompt as rendered for it): what the template adds for
+        it, the prompt past the same messages rendered without it; with continue_final_message, the prompt past
+        the messages before the final one. The whole prompt where the two do not line up."""
+        if continue_final_message:
+            if len(messages) < 2:
+                return text
+            messages = messages[:-1]
+        dicts, kwargs = self._inputs(messages, tools, template_kwargs)
         head = self._apply(dicts, False, kwargs)
         return text[len(head):] if text.startswith(head) else text
 
-    def _inputs(self, messages, tools: list[dict] | None) -> tuple[list[dict], dict]:
+    def check_kwargs(self, template_kwargs: dict | None) -> dict:
+        """A request's chat_template_kwargs, or a 400 naming the first one the template cannot take."""
+        for name in template_kwargs or {}:
+            where = f"chat_template_kwargs.{name}"
+            if name in RESERVED_KWARGS:
+                raise APIError(400, f"{where} is set by the request itself, not through chat_template_kwargs.",
+                               param="chat_template_kwargs")
+            if self.variables is not None and name not in self.variables:
+                raise APIError(400, f"{where}: the model's chat template does not read {name!r}"
+                               + (f" (it reads {', '.join(sorted(self.variables))})" if self.variables else "")
+                               + ".", param="chat_template_kwargs")
+        return dict(template_kwargs or {})
+
+    def _inputs(self, messages, tools: list[dict] | None,
+                template_kwargs: dict | None = None) -> tuple[list[dict], dict]:
         if not messages:
             raise APIError(400, "messages must not be empty.", param="messages")
         dicts = message_dicts(messages)
-        kwargs = {}
+        kwargs = self.check_kwargs(template_kwargs)
         if not self.renders_calls:
             dicts = [self._calls_as_text(d) for d in dicts]
         if tools:
@@ -51,10 +85,12 @@ class ChatTemplate:
                 dicts = self._tools_as_system(dicts, tools)
         return dicts, kwargs
 
-    def _apply(self, dicts: list[dict], add_generation_prompt: bool, kwargs: dict) -> str:
+    def _apply(self, dicts: list[dict], add_generation_prompt: bool, kwargs: dict,
+               continue_final_message: bool = False) -> str:
         try:
             return self.tokenizer.apply_chat_template(dicts, tokenize=False,
-                                                      add_generation_prompt=add_generation_prompt, **kwargs)
+                                                      add_generation_prompt=add_generation_prompt,
+                                                      continue_final_message=continue_final_message, **kwargs)
         except APIError:
             raise
         except Exception as e:  # a template may reject role orders etc. with any exception type
@@ -74,3 +110,34 @@ class ChatTemplate:
         if dicts and dicts[0]["role"] in ("system", "developer"):
             return [{**dicts[0], "content": dicts[0]["content"] + "\n\n" + text}] + dicts[1:]
         return [{"role": "system", "content": text}] + dicts
+
+
+def _reserved_kwargs() -> frozenset[str]:
+    """apply_chat_template's own parameters (and the messages): what the request's other fields set."""
+    from transformers import PreTrainedTokenizerBase
+
+    params = inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters.values()
+    named = {p.name for p in params if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)} - {"self"}
+    return frozenset(named | {"messages"})
+
+
+RESERVED_KWARGS = _reserved_kwargs()
+
+
+def template_variables(template) -> frozenset[str] | None:
+    """The names a chat template (or each of a dict of named templates) reads from its caller, less the reserved
+    ones and the globals transformers gives every template (raise_exception, strftime_now ...); None where the
+    template cannot be parsed here, and then any name is let through."""
+    import jinja2.meta
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    sources = list(template.values()) if isinstance(template, dict) else [template]
+    names: set[str] = set()
+    try:
+        for source in sources:
+            env = _compile_jinja_template(source).environment  # transformers' environment: its tags parse
+            names |= jinja2.meta.find_undeclared_variables(env.parse(source)) - set(env.globals)
+    except Exception as e:  # a template transformers renders but this parse misreads: keep requests working
+        log.warning("chat template variables unknown (%s): chat_template_kwargs are passed through unchecked", e)
+        return None
+    return frozenset(names - RESERVED_KWARGS)

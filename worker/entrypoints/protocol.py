@@ -79,7 +79,6 @@ UNSUPPORTED: dict[str, Any] = {
     # vLLM's extensions
     "use_beam_search": _off(False), "length_penalty": _off(1.0), "bad_words": _off([]),
     "allowed_token_ids": _off(), "prompt_logprobs": _off(), "logits_processors": _off([]),
-    "include_stop_str_in_output": _off(False),
     "spaces_between_special_tokens": _off(True), "truncate_prompt_tokens": _off(),
     "echo": _off(False), "continue_final_message": _off(False), "add_generation_prompt": _off(True),
     "chat_template": _off(), "chat_template_kwargs": _off({}), "documents": _off(),  # chat's prompt
@@ -94,8 +93,8 @@ class _SamplingRequest(_Request):
     def _keep_unsupported(cls, data: Any, handler):
         """Extra fields stay out of the model (and of its schema); those in UNSUPPORTED are kept aside."""
         request = handler(data)
-        if isinstance(data, dict):
-            request._unsupported = {k: data[k] for k in data.keys() & UNSUPPORTED.keys()}
+        if isinstance(data, dict):  # a field the request type declares is its route's to honour or refuse
+            request._unsupported = {k: data[k] for k in data.keys() & UNSUPPORTED.keys() if k not in cls.model_fields}
         return request
 
     model: str | None = None
@@ -114,6 +113,7 @@ class _SamplingRequest(_Request):
     ignore_eos: bool = False
     min_tokens: int = 0
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
     # Output constraints (structured_params below): OpenAI's response_format, vLLM's structured_outputs and the
@@ -152,6 +152,11 @@ class ChatCompletionRequest(_SamplingRequest):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    # vLLM's chat fields for the prompt: the template's generation prompt, continuing the final message instead,
+    # and the template's own switches (chat_template.py)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class TokenizeRequest(_Request):
@@ -160,6 +165,8 @@ class TokenizeRequest(_Request):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(_Request):
@@ -411,6 +418,7 @@ def sampling_params(req: _SamplingRequest, max_tokens: int | None, logprobs: int
         logprobs=logprobs,
         logit_bias=logit_bias,
         skip_special_tokens=req.skip_special_tokens,
+        include_stop_str_in_output=req.include_stop_str_in_output,
         structured=structured,
     )
     try:
