@@ -100,6 +100,7 @@ def test_template_variables_are_the_switches_a_template_reads(bundled, think):
     named = {"default": TOOLS_TEMPLATE, "other": "{{ messages[0]['content'] }}{% if flag %}!{% endif %}"}
     assert template_variables(named) == {"flag"}  # a dict of named templates: every one's
     assert template_variables("{% generation %}{{ x }}{% endgeneration %}") == {"x"}  # transformers' own tag
+    assert template_variables(None) == set()  # no template at all: the rendering refuses the request
 
 
 def test_chat_template_kwargs_reach_the_template_and_unknown_ones_are_refused(think):

@@ -131,6 +131,8 @@ def template_variables(template) -> frozenset[str] | None:
     import jinja2.meta
     from transformers.utils.chat_template_utils import _compile_jinja_template
 
+    if template is None:  # no chat template: every chat request is refused by the rendering itself
+        return frozenset()
     sources = list(template.values()) if isinstance(template, dict) else [template]
     names: set[str] = set()
     try:
