@@ -1,4 +1,5 @@
-"""SamplingParams.validate: logit_bias (OpenAI's rules: token ids, biases in [-100, 100], at most 300)."""
+"""SamplingParams.validate: logit_bias (OpenAI's rules: token ids, biases in [-100, 100], at most 300) and
+allowed_token_ids (vLLM's: a non-empty list of token ids)."""
 
 import re
 
@@ -26,3 +27,10 @@ def test_good_logit_bias_is_kept_as_a_copy():
     params = SamplingParams(logit_bias=bias).validate(49152)
     assert params.logit_bias == bias and params.logit_bias is not bias
     assert SamplingParams(logit_bias={}).validate().logit_bias is None
+
+
+@pytest.mark.parametrize("allowed", [[], [-1], [3, 100], [1.5]])
+def test_bad_allowed_token_ids_are_refused_naming_them(allowed):
+    with pytest.raises(ValueError, match="allowed_token_ids") as e:
+        SamplingParams(allowed_token_ids=allowed).validate(vocab_size=100)
+    assert e.value.param == "allowed_token_ids"

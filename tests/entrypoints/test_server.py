@@ -388,7 +388,8 @@ REFUSED = [  # (path, fields that change what is generated and that the server d
     ("/v1/chat/completions", {"echo": True}),
     ("/v1/chat/completions", {"chat_template": "{{ messages }}"}),
     ("/v1/completions", {"use_beam_search": True}),
-    ("/v1/completions", {"allowed_token_ids": [1, 2]}),
+    ("/v1/completions", {"allowed_token_ids": []}),
+    ("/v1/completions", {"allowed_token_ids": [1, 10**7]}),
     ("/v1/completions", {"bad_words": ["x"]}),
     ("/v1/completions", {"prompt_logprobs": 1}),
     ("/v1/completions", {"chat_template_kwargs": {"enable_thinking": False}}),  # chat's fields, not completions'
@@ -435,6 +436,24 @@ def test_logit_bias_is_honoured(server, llm, tokenizer):
     banned = client.completions.create(model="smol", prompt="Apples are", max_tokens=3, temperature=0,
                                        logit_bias={str(first): -100}, extra_body={"ignore_eos": True})
     assert banned.choices[0].text == want.text
+
+
+def test_allowed_token_ids_are_honoured(server, llm, tokenizer):
+    """vLLM's allowed_token_ids: greedy takes the best of the allowed, sampling never leaves them, chat too."""
+    client = server.client()
+    first = llm.generate(["Apples are"], greedy(1))[0].outputs[0].token_ids[0]
+    allowed = [t for t in tokenizer.encode(" red green blue") if t != first]
+    want = llm.generate(["Apples are"], greedy(6, allowed_token_ids=allowed, ignore_eos=True))[0].outputs[0]
+    assert set(want.token_ids) <= set(allowed)
+    r = client.completions.create(model="smol", prompt="Apples are", max_tokens=6, temperature=0,
+                                  extra_body={"ignore_eos": True, "allowed_token_ids": allowed})
+    assert r.choices[0].text == want.text
+    r = client.chat.completions.create(model="smol", messages=[{"role": "user", "content": "Pick a colour."}],
+                                       max_tokens=8, temperature=1.0, n=3, logprobs=True,
+                                       extra_body={"ignore_eos": True, "allowed_token_ids": allowed})
+    words = {tokenizer.decode([t]) for t in allowed}
+    for choice in r.choices:
+        assert len(choice.logprobs.content) == 8 and {t.token for t in choice.logprobs.content} <= words
 
 
 def test_api_key(server):

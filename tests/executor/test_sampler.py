@@ -1,6 +1,6 @@
 """The Sampler on CPU: SamplingParams onto the device records (chi-square against the exact distributions),
-logit_bias / min_tokens / penalties against a plain per-row reference over several steps (counts kept on the
-device), logprobs against log_softmax, a row's draw independent of the batch beside it."""
+logit_bias / min_tokens / penalties / allowed_token_ids against a plain per-row reference over several steps
+(counts kept on the device), logprobs against log_softmax, a row's draw independent of the batch beside it."""
 
 import math
 from collections import Counter
@@ -60,7 +60,8 @@ def test_sampled_rows_follow_the_exact_distribution(params, expected):
 
 
 def plain_processed(logits: torch.Tensor, s: Sequence) -> torch.Tensor:
-    """logit_bias, min_tokens, then repetition / presence / frequency penalties, one token at a time."""
+    """logit_bias, min_tokens, repetition / presence / frequency penalties, then allowed_token_ids, one token at a
+    time."""
     p = s.params
     x = logits.clone()
     for t, b in (p.logit_bias or {}).items():
@@ -73,6 +74,8 @@ def plain_processed(logits: torch.Tensor, s: Sequence) -> torch.Tensor:
         x[t] = x[t] / p.repetition_penalty if x[t] > 0 else x[t] * p.repetition_penalty
     for t, c in Counter(outputs).items():
         x[t] -= p.frequency_penalty * c + p.presence_penalty
+    if p.allowed_token_ids:
+        x[[t for t in range(len(x)) if t not in p.allowed_token_ids]] = -math.inf
     return x
 
 
@@ -111,6 +114,9 @@ def test_penalties_logit_bias_and_min_tokens_match_a_plain_reference(monkeypatch
         SamplingParams(temperature=1.1, repetition_penalty=0.8, frequency_penalty=-0.5, presence_penalty=0.2,
                        logit_bias={1: 1.0}, min_tokens=2, seed=5),
         SamplingParams(temperature=0.8, seed=6),
+        SamplingParams(temperature=0.0, allowed_token_ids=[3, 17, 25]),  # 3 is in the prompt: penalised too
+        SamplingParams(temperature=1.3, allowed_token_ids=[1, 3, 30, 31], repetition_penalty=1.4,
+                       frequency_penalty=0.3, seed=7),
     ]
     seqs = [seq(p, prompt=(1, 3, 3, 8 + i)) for i, p in enumerate(kinds)]
     seqs[0].token_ids += [12, 12]  # outputs before joining are counted at join
@@ -129,6 +135,7 @@ def test_penalties_logit_bias_and_min_tokens_match_a_plain_reference(monkeypatch
         for s, t in zip(seqs, tokens):
             s.token_ids.append(t)
     assert all(t not in (4, 11) for t in seqs[3].output_token_ids[:3])
+    assert set(seqs[7].output_token_ids) <= {3, 17, 25} and set(seqs[8].output_token_ids) <= {1, 3, 30, 31}
 
 
 def test_slots_are_reused_and_grow_without_losing_counts():

@@ -111,6 +111,7 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None  # top-k logprobs per generated token (0 = only the chosen token's)
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit before penalties and sampling
+    allowed_token_ids: list[int] | None = None  # only these may be drawn (vLLM's field); None: every token
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False  # a stop string that ends the output stays in its text (vLLM's field)
     detokenize: bool = True  # False: token ids only (benchmarks); stop strings then need it on
@@ -122,6 +123,7 @@ class SamplingParams:
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.logit_bias = dict(self.logit_bias) if self.logit_bias else None
+        self.allowed_token_ids = list(self.allowed_token_ids) if self.allowed_token_ids is not None else None
 
     @property
     def greedy(self) -> bool:
@@ -165,6 +167,11 @@ class SamplingParams:
              "logit_bias", "keys must be token ids" + (f" in [0, {vocab_size})" if vocab_size else ""))
         need(all(isinstance(b, (int, float)) and -100.0 <= b <= 100.0 for b in bias.values()), "logit_bias",
              "values must be in [-100, 100]")
+        allowed = self.allowed_token_ids
+        in_vocab = f" in [0, {vocab_size})" if vocab_size else ""
+        need(allowed is None or (len(allowed) > 0 and all(
+            isinstance(t, int) and t >= 0 and (vocab_size is None or t < vocab_size) for t in allowed)),
+             "allowed_token_ids", "must be a non-empty list of token ids" + in_vocab)
         need(self.structured is None or isinstance(self.structured, StructuredOutputsParams), "structured",
              f"must be StructuredOutputsParams, got {type(self.structured).__name__}")
         return self

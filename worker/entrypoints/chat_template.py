@@ -8,6 +8,7 @@ misspelt switch is not silently dropped.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import json
 import logging
@@ -61,7 +62,7 @@ class ChatTemplate:
         """A request's chat_template_kwargs, or a 400 naming the first one the template cannot take."""
         for name in template_kwargs or {}:
             where = f"chat_template_kwargs.{name}"
-            if name in RESERVED_KWARGS:
+            if name in reserved_kwargs():
                 raise APIError(400, f"{where} is set by the request itself, not through chat_template_kwargs.",
                                param="chat_template_kwargs")
             if self.variables is not None and name not in self.variables:
@@ -112,16 +113,15 @@ class ChatTemplate:
         return [{"role": "system", "content": text}] + dicts
 
 
-def _reserved_kwargs() -> frozenset[str]:
-    """apply_chat_template's own parameters (and the messages): what the request's other fields set."""
+@functools.cache
+def reserved_kwargs() -> frozenset[str]:
+    """apply_chat_template's own parameters (and the messages): what the request's other fields set. Read on first
+    use: importing transformers here would import torch before the server has started its compile workers."""
     from transformers import PreTrainedTokenizerBase
 
     params = inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters.values()
     named = {p.name for p in params if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)} - {"self"}
     return frozenset(named | {"messages"})
-
-
-RESERVED_KWARGS = _reserved_kwargs()
 
 
 def template_variables(template) -> frozenset[str] | None:
@@ -142,4 +142,4 @@ def template_variables(template) -> frozenset[str] | None:
     except Exception as e:  # a template transformers renders but this parse misreads: keep requests working
         log.warning("chat template variables unknown (%s): chat_template_kwargs are passed through unchecked", e)
         return None
-    return frozenset(names - RESERVED_KWARGS)
+    return frozenset(names - reserved_kwargs())

@@ -78,7 +78,7 @@ UNSUPPORTED: dict[str, Any] = {
     "web_search_options": _off(), "verbosity": _off(),
     # vLLM's extensions
     "use_beam_search": _off(False), "length_penalty": _off(1.0), "bad_words": _off([]),
-    "allowed_token_ids": _off(), "prompt_logprobs": _off(), "logits_processors": _off([]),
+    "prompt_logprobs": _off(), "logits_processors": _off([]),
     "spaces_between_special_tokens": _off(True), "truncate_prompt_tokens": _off(),
     "echo": _off(False), "continue_final_message": _off(False), "add_generation_prompt": _off(True),
     "chat_template": _off(), "chat_template_kwargs": _off({}), "documents": _off(),  # chat's prompt
@@ -110,6 +110,7 @@ class _SamplingRequest(_Request):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     logit_bias: dict[str, float] | None = None  # token id (a JSON key, so a string) -> bias in [-100, 100]
+    allowed_token_ids: list[int] | None = None  # vLLM's: only these may be generated
     ignore_eos: bool = False
     min_tokens: int = 0
     skip_special_tokens: bool = True
@@ -417,6 +418,7 @@ def sampling_params(req: _SamplingRequest, max_tokens: int | None, logprobs: int
         min_tokens=req.min_tokens,
         logprobs=logprobs,
         logit_bias=logit_bias,
+        allowed_token_ids=req.allowed_token_ids,
         skip_special_tokens=req.skip_special_tokens,
         include_stop_str_in_output=req.include_stop_str_in_output,
         structured=structured,

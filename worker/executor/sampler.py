@@ -1,12 +1,13 @@
-"""Token choice for one step on the device: logit_bias, min_tokens, penalties, then temperature, top-k, top-p,
-min-p and a seeded draw, and the logprobs, with one host-to-device copy per step and no host sync.
+"""Token choice for one step on the device: logit_bias, min_tokens, penalties, allowed_token_ids, then temperature,
+top-k, top-p, min-p and a seeded draw, and the logprobs, with one host-to-device copy per step and no host sync.
 
 The step's row records (sampling_state.py) and the indices of its penalised and logprobs rows go to the
 device in one pinned int32 copy. Greedy rows take the exact argmax in the model's dtype (kernels/greedy.py);
 sampled rows are drawn by kernels/sampling.py on CUDA (reference.sample elsewhere, the same draws: the noise
 is a counter-based hash of seed, output position and token id, so a seeded row's draw depends on nothing
 else in the batch). Penalised rows are processed in fp32 first, in vLLM's order: logit_bias, min_tokens,
-then repetition / presence / frequency penalties from the counts their slots keep on the device. Logprobs
+then repetition / presence / frequency penalties from the counts their slots keep on the device, then
+allowed_token_ids (the tokens outside it marked in the same slot words) as -inf. Logprobs
 are of the model's logits (vLLM's raw logprobs), computed on the device and read back with the tokens.
 Rows with a grammar (structured outputs) get their packed token bitmask uploaded and applied first, before
 everything else (-inf where the bit is 0, ids past the bitmask too), with greedy and sampled rows alike.
@@ -218,7 +219,8 @@ class Sampler:
         return dev[:G].long(), dev[at:].view(G, W)
 
     def _process(self, x: torch.Tensor, params: torch.Tensor, prow: torch.Tensor) -> None:
-        """logit_bias, min_tokens, then repetition / presence / frequency penalties on rows prow of x (fp32)."""
+        """logit_bias, min_tokens, repetition / presence / frequency penalties, then allowed_token_ids, on rows prow
+        of x (fp32)."""
         slots = self.state.slots
         rec = params[prow]
         recf = rec.view(torch.float32)
@@ -231,8 +233,9 @@ class Sampler:
         words = slots.words[slot]
         counts = (words & st.COUNT_MASK).float()
         rp = recf[:, st.REPETITION, None]
-        lg = torch.where(words != 0, torch.where(lg > 0, lg / rp, lg * rp), lg)
+        lg = torch.where((words & st.SEEN_MASK) != 0, torch.where(lg > 0, lg / rp, lg * rp), lg)
         lg -= recf[:, st.FREQUENCY, None] * counts + recf[:, st.PRESENCE, None] * (counts > 0).float()
+        lg.masked_fill_((words & st.OUTSIDE_BIT) != 0, float("-inf"))
         x[prow] = lg
 
     def _count(self, params: torch.Tensor, prow: torch.Tensor, tokens: torch.Tensor) -> None:

@@ -8,9 +8,10 @@ pinned copy. Per-step records rather than a device table: a record is 64 bytes, 
 costs the one copy a row-to-slot index would, and nothing on the device has to follow joins and leaves
 across overlapped steps.
 
-A sequence with penalties, logit_bias or min_tokens also gets a device slot: one int32 word per vocabulary
-entry (its output count, plus PROMPT_BIT for a prompt token, marked once at join, for the repetition
-penalty), its logit_bias entries and its min_tokens-banned ids. The sampler adds each sampled token to its
+A sequence with penalties, logit_bias, allowed_token_ids or min_tokens also gets a device slot: one int32 word
+per vocabulary entry (its output count, plus PROMPT_BIT for a prompt token, marked once at join, for the
+repetition penalty, and OUTSIDE_BIT for a token allowed_token_ids leaves out), its logit_bias entries and its
+min_tokens-banned ids. The sampler adds each sampled token to its
 slot's counts on the device, so penalties never need the output on the host. A slot is 512 KiB at a 128k
 vocabulary; the first sequence that needs one allocates max_num_seqs of them, which the KV budget leaves room
 for (penalty_slot_bytes, executor/memory.py). Past that, only preempted sequences holding their slots while
@@ -32,18 +33,21 @@ from pagefleet.worker.core.sequence import Sequence
 SLOT, MIN_TOKENS, REPETITION, PRESENCE, FREQUENCY = 8, 9, 10, 11, 12
 ROW = 16  # int32 per record: rows stay 16-byte aligned
 PROMPT_BIT = 1 << 30  # a prompt token's mark in its slot word; the low bits count the outputs
-COUNT_MASK = PROMPT_BIT - 1
+OUTSIDE_BIT = 1 << 29  # a token outside the sequence's allowed_token_ids: never drawn
+COUNT_MASK = OUTSIDE_BIT - 1
+SEEN_MASK = PROMPT_BIT | COUNT_MASK  # in the prompt or the outputs: the repetition penalty's tokens
 
 
 def needs_slot(seq: Sequence) -> bool:
     p = seq.params
-    return (p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
-            or bool(p.logit_bias) or p.min_tokens > 0)
+    return _uses_penalties(seq) or p.min_tokens > 0
 
 
 def _uses_penalties(seq: Sequence) -> bool:
+    """Processed every step (min_tokens alone only until it is reached)."""
     p = seq.params
-    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or bool(p.logit_bias)
+    return (p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+            or bool(p.logit_bias) or bool(p.allowed_token_ids))
 
 
 def penalty_slot_bytes(max_num_seqs: int, vocab_size: int) -> int:
@@ -80,7 +84,8 @@ class PenaltySlots:
         self.free += range(self.words.shape[0] - 1, old - 1, -1)
 
     def join(self, seq: Sequence, banned: list[int]) -> int:
-        """A slot for seq: its prompt marked, outputs so far counted, its logit_bias and banned ids written."""
+        """A slot for seq: its prompt marked, outputs so far counted, tokens outside its allowed_token_ids marked,
+        its logit_bias and banned ids written."""
         bias = seq.params.logit_bias or {}
         if not self.free or len(bias) > self.bias_ids.shape[1] or len(banned) > self.banned.shape[1]:
             rows = 2 * self.words.shape[0] if self.words.shape[0] else self.rows
@@ -88,9 +93,12 @@ class PenaltySlots:
         slot = self.free.pop()
         dev = self.device
         words = self.words[slot]
-        words.zero_()
-        prompt = seq.token_ids[: seq.num_prompt_tokens]
-        words[torch.tensor(prompt, dtype=torch.long, device=dev)] = PROMPT_BIT
+        allowed = seq.params.allowed_token_ids
+        words.fill_(OUTSIDE_BIT if allowed else 0)
+        if allowed:
+            words[torch.tensor(allowed, dtype=torch.long, device=dev)] = 0
+        prompt = torch.tensor(seq.token_ids[: seq.num_prompt_tokens], dtype=torch.long, device=dev)
+        words[prompt] |= PROMPT_BIT
         outputs = [t for t in seq.output_token_ids if t >= 0]  # a token still on the device is counted there
         if outputs:
             words.index_put_((torch.tensor(outputs, dtype=torch.long, device=dev),),
