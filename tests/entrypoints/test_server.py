@@ -131,6 +131,12 @@ def test_continue_final_message_and_no_generation_prompt_match_offline(server, l
                                            extra_body=fields)
         assert r.choices[0].message.content == ref.outputs[0].text
         assert r.usage.prompt_tokens == len(ref.prompt_token_ids)
+    # offline, the options the server answers with a 400 are a ValueError naming them
+    refused = (({"continue_final_message": True}, "add_generation_prompt cannot both be true"),
+               ({"chat_template_kwargs": {"enable_thinking": False}}, "chat_template_kwargs.enable_thinking"))
+    for fields, says in refused:
+        with pytest.raises(ValueError, match=says):
+            llm.chat([opened], greedy(1), **fields)
     plain = llm.chat([opened], greedy(1))[0].prompt_token_ids
     assert len(plain) > len(llm.chat([opened], greedy(1), add_generation_prompt=False,
                                      continue_final_message=True)[0].prompt_token_ids)

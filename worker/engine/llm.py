@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Sequence as Seq
 
@@ -26,10 +27,21 @@ class LLM:
     def encode(self, prompt: str | list[int]) -> list[int]:
         return list(prompt) if not isinstance(prompt, str) else self.tokenizer(prompt).input_ids
 
+    @functools.cached_property
+    def _chat_template_variables(self) -> frozenset[str] | None:
+        from pagefleet.worker.entrypoints.chat_template import template_variables
+
+        return template_variables(self.tokenizer.chat_template)
+
     def chat_prompt_ids(self, messages: list[dict], add_generation_prompt: bool = True,
                         continue_final_message: bool = False, chat_template_kwargs: dict | None = None) -> list[int]:
-        if add_generation_prompt and continue_final_message:
-            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
+        """The conversation through the chat template; ValueError for options it cannot take (as the server's 400)."""
+        from pagefleet.worker.entrypoints.chat_template import prompt_options_error
+
+        refused = prompt_options_error(self._chat_template_variables, add_generation_prompt, continue_final_message,
+                                       chat_template_kwargs)
+        if refused is not None:
+            raise ValueError(refused[1])
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
                                                   continue_final_message=continue_final_message,
                                                   **(chat_template_kwargs or {}))

@@ -36,10 +36,9 @@ class ChatTemplate:
         """The chat prompt as text and token ids, tools rendered as the template (or the parser) writes them.
         continue_final_message: the last message is left open for the model to go on with (no end of turn), as
         in transformers and vLLM; it excludes add_generation_prompt."""
-        if continue_final_message and add_generation_prompt:
-            raise APIError(400, "continue_final_message and add_generation_prompt cannot both be true; set "
-                           "add_generation_prompt to false to continue the final message.",
-                           param="continue_final_message")
+        refused = prompt_options_error(self.variables, add_generation_prompt, continue_final_message, template_kwargs)
+        if refused is not None:
+            raise APIError(400, refused[1], param=refused[0])
         dicts, kwargs = self._inputs(messages, tools, template_kwargs)
         text = self._apply(dicts, add_generation_prompt, kwargs, continue_final_message)
         # The template already holds the special tokens (as LLM.chat does).
@@ -58,25 +57,13 @@ class ChatTemplate:
         head = self._apply(dicts, False, kwargs)
         return text[len(head):] if text.startswith(head) else text
 
-    def check_kwargs(self, template_kwargs: dict | None) -> dict:
-        """A request's chat_template_kwargs, or a 400 naming the first one the template cannot take."""
-        for name in template_kwargs or {}:
-            where = f"chat_template_kwargs.{name}"
-            if name in reserved_kwargs():
-                raise APIError(400, f"{where} is set by the request itself, not through chat_template_kwargs.",
-                               param="chat_template_kwargs")
-            if self.variables is not None and name not in self.variables:
-                raise APIError(400, f"{where}: the model's chat template does not read {name!r}"
-                               + (f" (it reads {', '.join(sorted(self.variables))})" if self.variables else "")
-                               + ".", param="chat_template_kwargs")
-        return dict(template_kwargs or {})
-
     def _inputs(self, messages, tools: list[dict] | None,
                 template_kwargs: dict | None = None) -> tuple[list[dict], dict]:
+        """The messages as the template takes them and its keyword arguments (template_kwargs checked by render)."""
         if not messages:
             raise APIError(400, "messages must not be empty.", param="messages")
         dicts = message_dicts(messages)
-        kwargs = self.check_kwargs(template_kwargs)
+        kwargs = dict(template_kwargs or {})
         if not self.renders_calls:
             dicts = [self._calls_as_text(d) for d in dicts]
         if tools:
@@ -111,6 +98,24 @@ class ChatTemplate:
         if dicts and dicts[0]["role"] in ("system", "developer"):
             return [{**dicts[0], "content": dicts[0]["content"] + "\n\n" + text}] + dicts[1:]
         return [{"role": "system", "content": text}] + dicts
+
+
+def prompt_options_error(variables: frozenset[str] | None, add_generation_prompt: bool,
+                         continue_final_message: bool, template_kwargs: dict | None) -> tuple[str, str] | None:
+    """Why a chat prompt cannot be rendered with these options, as (the field, the message), or None. variables:
+    template_variables of the template (None: unknown, any keyword passes). Shared by the server (a 400) and
+    LLM.chat (a ValueError), so neither drops a switch the template never reads."""
+    if continue_final_message and add_generation_prompt:
+        return ("continue_final_message", "continue_final_message and add_generation_prompt cannot both be true; "
+                "set add_generation_prompt to false to continue the final message.")
+    for name in template_kwargs or {}:
+        where = f"chat_template_kwargs.{name}"
+        if name in reserved_kwargs():
+            return "chat_template_kwargs", f"{where} is set by the request itself, not through chat_template_kwargs."
+        if variables is not None and name not in variables:
+            reads = f" (it reads {', '.join(sorted(variables))})" if variables else ""
+            return "chat_template_kwargs", f"{where}: the model's chat template does not read {name!r}{reads}."
+    return None
 
 
 @functools.cache

@@ -11,8 +11,8 @@ across overlapped steps.
 A sequence with penalties, logit_bias, allowed_token_ids or min_tokens also gets a device slot: one int32 word
 per vocabulary entry (its output count, plus PROMPT_BIT for a prompt token, marked once at join, for the
 repetition penalty, and OUTSIDE_BIT for a token allowed_token_ids leaves out), its logit_bias entries and its
-min_tokens-banned ids. The sampler adds each sampled token to its
-slot's counts on the device, so penalties never need the output on the host. A slot is 512 KiB at a 128k
+min_tokens-banned ids. The sampler adds each sampled token to its slot's counts on the device, so penalties
+never need the output on the host. A slot is 512 KiB at a 128k
 vocabulary; the first sequence that needs one allocates max_num_seqs of them, which the KV budget leaves room
 for (penalty_slot_bytes, executor/memory.py). Past that, only preempted sequences holding their slots while
 others run: the slots then grow by doubling.
