@@ -198,3 +198,20 @@ def fp32_logprobs(folder, prompts_, outputs) -> list[list[float]]:
         lp = torch.log_softmax(logits, -1)
         out.append([lp[len(prompt) - 1 + i, t].item() for i, t in enumerate(tokens)])
     return out
+
+
+def test_prompt_logprobs_match_transformers_on_the_hybrid(qwen3_5):
+    """Prompt logprobs through the DeltaNet layers' chunks, with the prefix cache (and its state snapshots) holding
+    the same prompts: a scored prompt runs in full."""
+    from test_prompt_logprobs import check, hf_prompt_logprobs
+
+    ps = [p for p in prompts() if len(p) > 1]
+    expected = hf_prompt_logprobs(qwen3_5, ps)
+    llm = LLM(str(qwen3_5), device="cpu", max_model_len=200, max_num_batched_tokens=16, num_gpu_blocks_override=BLOCKS)
+    scored = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, min_tokens=MAX_NEW, prompt_logprobs=2)
+    outs = llm.generate(ps + ps, [greedy()] * len(ps) + [scored] * len(ps))
+    assert llm.engine.stats().num_preemptions_total > 0, "the KV budget was meant to force preemption"
+    for i, prompt in enumerate(ps):
+        check(outs[len(ps) + i].prompt_logprobs, prompt, expected[i], 2)
+        assert outs[len(ps) + i].outputs[0].token_ids == outs[i].outputs[0].token_ids
+    assert_all_free(llm.engine)

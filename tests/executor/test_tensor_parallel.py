@@ -79,6 +79,25 @@ def test_seeded_samples_of_one_request_equal_their_n1_twins(checkpoints):
         llm.shutdown()
 
 
+def test_prompt_logprobs_of_two_ranks_are_those_of_one(checkpoints):
+    """Every rank scores the prompt (the vocabulary's shards are gathered), rank 0 reports it."""
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, prompt_logprobs=2)
+    ps = prompts()[:3]
+    want = [o.prompt_logprobs for o in engine(checkpoints["llama"], 1).generate(ps, params)]
+    llm = engine(checkpoints["llama"], 2)
+    try:
+        got = [o.prompt_logprobs for o in llm.generate(ps, params)]
+    finally:
+        llm.shutdown()
+    for g, w, p in zip(got, want, ps, strict=True):
+        assert len(g) == len(p) and g[0] is None
+        assert [(e.token_id, [t for t, _ in e.top]) for e in g[1:]] == [(e.token_id, [t for t, _ in e.top])
+                                                                         for e in w[1:]]
+        assert [e.logprob for e in g[1:]] == pytest.approx([e.logprob for e in w[1:]], abs=1e-4)
+        # deep in the tail a token within float noise of the prompt token may rank either side of it
+        assert all(abs(a.rank - b.rank) <= max(1, b.rank // 1000) for a, b in zip(g[1:], w[1:], strict=True))
+
+
 def test_lora_adapters_are_sharded_like_their_linears(checkpoints, tmp_path):
     """Every target (q/k/v, gate/up column-parallel; o_proj, down_proj row-parallel), from a folder and from
     tensors, beside requests of the base model in the same steps."""

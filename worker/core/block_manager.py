@@ -189,7 +189,7 @@ class BlockManager:
         state there is restored, and the blocks past it would need a state nobody kept.
         """
         assert not seq.block_table
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or seq.needs_prompt_logprobs:  # scoring the prompt needs its forward
             return 0
         bs = self.block_size
         num_full = (seq.num_tokens - 1) // bs

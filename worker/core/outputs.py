@@ -10,6 +10,7 @@ class TokenLogprobs:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]  # the most likely tokens at that step, best first
+    rank: int | None = None  # 1 + how many tokens were more likely (prompt logprobs; None for sampled tokens)
 
 
 @dataclass
@@ -35,6 +36,9 @@ class RequestOutput:
     weight_version: int = 0  # the weight version that produced the last token
     # every weight version that ran this request, oldest first (two or more: held across an update)
     weight_versions: list[int] = field(default_factory=list)
+    # SamplingParams.prompt_logprobs: per prompt token, its logprob given the tokens before it (None for the first
+    # token), once the whole prompt is scored; None when not asked for or not scored yet
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     @property
     def num_generated_tokens(self) -> int:

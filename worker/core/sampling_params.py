@@ -110,6 +110,7 @@ class SamplingParams:
     max_tokens: int | None = 16  # None: up to max_model_len
     min_tokens: int = 0
     logprobs: int | None = None  # top-k logprobs per generated token (0 = only the chosen token's)
+    prompt_logprobs: int | None = None  # top-k logprobs per prompt token (0 = only the prompt token's own); vLLM's
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit before penalties and sampling
     allowed_token_ids: list[int] | None = None  # only these may be drawn (vLLM's field); None: every token
     skip_special_tokens: bool = True
@@ -155,6 +156,9 @@ class SamplingParams:
         need(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
              f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
         need(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", f"must be in [0, 20], got {self.logprobs}")
+        scored = self.prompt_logprobs
+        need(scored is None or (isinstance(scored, int) and 0 <= scored <= 20), "prompt_logprobs",
+             f"must be an integer in [0, 20], got {scored!r}")
         need(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
         need(len(self.stop) <= 16, "stop", f"allows at most 16 strings, got {len(self.stop)}")
         need(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",

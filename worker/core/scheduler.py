@@ -34,6 +34,26 @@ class ScheduledBatch:
     state_zeros: list[int] = field(default_factory=list)
     state_snapshots: list[tuple[int, int]] = field(default_factory=list)
     block_tables: BlockTables | None = None  # the block manager's rows kept across steps (None: built afresh)
+    scoring: list[tuple[int, int, int]] | None = None  # prompt_logprob_spans, once asked (None: not yet)
+
+    def prompt_logprob_spans(self) -> list[tuple[int, int, int]]:
+        """The prompt positions this step scores (SamplingParams.prompt_logprobs): (sequence's index in the batch,
+        first position, end position), where position j's logits score prompt token j + 1. A chunk scores the
+        positions it runs that are not scored yet (a preempted prompt runs again from its start), up to the
+        prompt's last token, whose logits sample. Scanned once a step; whoever changes `seqs` resets `scoring`."""
+        if self.scoring is not None:
+            return self.scoring
+        self.scoring = spans = []
+        for i, seq in enumerate(self.seqs):  # every step, every row: one attribute read for a row that asks none
+            scored = seq.prompt_logprobs
+            if scored is None or len(scored) >= seq.num_prompt_tokens - 1:
+                continue
+            computed = seq.num_computed_tokens
+            assert len(scored) >= computed, "prompt positions skipped unscored"
+            start, end = len(scored), min(computed + self.num_new_tokens[i], seq.num_prompt_tokens - 1)
+            if start < end:
+                spans.append((i, start, end))
+        return spans
 
 
 class Scheduler:

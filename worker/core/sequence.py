@@ -44,6 +44,9 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     logprobs: list[TokenLogprobs] | None = None
+    # params.prompt_logprobs: entry j scores prompt token j + 1 (the first token has nothing before it); filled as
+    # prompt chunks run, kept across preemption, shared by the samples forked from it
+    prompt_logprobs: list[TokenLogprobs] | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     # incremental detokenisation state
     text: str = ""
@@ -55,6 +58,8 @@ class Sequence:
     def __post_init__(self) -> None:
         if self.params.logprobs is not None and self.logprobs is None:
             self.logprobs = []
+        if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = []
         # start the detokeniser a few tokens back into the prompt so the first word gets its leading space
         self.read_offset = self.num_detokenized = self.num_prompt_tokens
         self.prefix_offset = max(self.num_prompt_tokens - 5, 0)
@@ -76,6 +81,11 @@ class Sequence:
         return self.status is SequenceStatus.FINISHED
 
     @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt tokens are still to be scored: its prompt must run in full, not from the prefix cache."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
+
+    @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
 
@@ -89,5 +99,6 @@ class Sequence:
         child.arrival_time = self.arrival_time
         child.lora_id = self.lora_id
         child.weight_versions = list(self.weight_versions)
+        child.prompt_logprobs = self.prompt_logprobs  # scored once, by the parent, before the fork
         child.grammar = self.grammar.fork() if self.grammar is not None else None  # its own matcher
         return child

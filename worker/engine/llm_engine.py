@@ -278,8 +278,12 @@ class LLMEngine(WeightUpdates):
                                                 list(seq.logprobs) if seq.logprobs is not None else None,
                                                 seq.stop_reason, list(seq.weight_versions)))
         version, versions = output_versions(request.seqs, [len(c.token_ids) for c in completions])
+        scored = request.seqs[0].prompt_logprobs
+        prompt_logprobs = None
+        if scored is not None and len(scored) == len(request.prompt_token_ids) - 1:  # every prompt token scored
+            prompt_logprobs = [None, *scored]
         return RequestOutput(request.request_id, request.prompt_token_ids, completions, finished,
-                             request.seqs[0].num_cached_tokens, version, versions)
+                             request.seqs[0].num_cached_tokens, version, versions, prompt_logprobs)
 
     def shutdown(self) -> None:
         """Stop the processes beside the engine (tensor-parallel workers); the engine runs no step after it."""

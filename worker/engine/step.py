@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from pagefleet.worker.core.detokenizer import find_stop, update_text
-from pagefleet.worker.core.outputs import RequestOutput
+from pagefleet.worker.core.outputs import RequestOutput, TokenLogprobs
 from pagefleet.worker.core.scheduler import ScheduledBatch
 from pagefleet.worker.core.sequence import Sequence, SequenceStatus
 from pagefleet.worker.engine.stats import StepRecord
@@ -99,7 +99,7 @@ class EngineStep:
         tokens on the device and logprobs come back with the tokens, so neither needs a synchronous step;
         prompt chunks that sample nothing never stand in the way. Grammar rows overlap too: their step reads
         the previous one's tokens after its forward is launched and before it samples (_launch)."""
-        if batch.preempted:
+        if batch.preempted or batch.prompt_logprob_spans():
             return False
         return not any(seq.pending_forks and seq.num_computed_tokens + n >= seq.num_tokens
                        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True))
@@ -126,13 +126,17 @@ class EngineStep:
         if len(keep) != len(batch.seqs):
             batch.seqs = [batch.seqs[i] for i in keep]
             batch.num_new_tokens = [batch.num_new_tokens[i] for i in keep]
+            batch.scoring = None  # its rows moved
 
     def _launch(self, batch: ScheduledBatch, prev: PendingStep | None,
                 overlap: bool) -> tuple[PendingStep | None, int, int]:
         """Run the batch and sample its sequences whose prompt is done: (the launched step, None when none
         samples; prefill tokens; decode tokens)."""
         feed = self._feed(batch, prev) if prev is not None else None
+        spans = batch.prompt_logprob_spans()  # before the loop below moves num_computed_tokens
         logits = self.runner.run(batch, feed)
+        if spans:
+            self._add_prompt_logprobs(batch.seqs, spans)
         sampling: list[Sequence] = []
         num_prefill = num_decode = 0
         commit = self.block_manager.commit_full_blocks
@@ -178,6 +182,15 @@ class EngineStep:
                 # its blocks serve the queue (stream order keeps this step's writes ahead of their reuse).
                 self.scheduler.retire(seq)
         return PendingStep(sampling, tokens, None, {s.seq_id for s in sampling}), num_prefill, num_decode
+
+    def _add_prompt_logprobs(self, seqs: list[Sequence], spans: list[tuple[int, int, int]]) -> None:
+        """The prompt tokens this step scored, appended to their sequences (spans: batch.prompt_logprob_spans())."""
+        scored = iter(self.runner.take_prompt_logprobs())
+        for i, start, end in spans:
+            seq = seqs[i]
+            k = seq.params.prompt_logprobs
+            for token, (logprob, rank, top) in zip(seq.token_ids[start + 1 : end + 1], scored):
+                seq.prompt_logprobs.append(TokenLogprobs(token, logprob, top[:k], rank))
 
     @staticmethod
     def _feed(batch: ScheduledBatch, prev: PendingStep) -> tuple[np.ndarray, object]:

@@ -69,6 +69,9 @@ class StepWork(NamedTuple):
     step: StepInputs
 
 
+PROMPT_LOGITS_ROWS = 256  # prompt positions scored at a time: 128 MB of fp32 logits at a 128k vocabulary
+
+
 class ModelRunner:
     """Bring-up gives it model, start_seconds, lora, sampler, kv (and on CUDA profile and the graphs)."""
 
@@ -151,7 +154,8 @@ class ModelRunner:
             self.state.before_forward(work.state_copies, work.state_zeros)
         step = work.step
         logits = None
-        if lora_mapping is None:  # the graphs hold no adapter: LoRA steps run eagerly
+        self.prompt_logprobs = None
+        if lora_mapping is None and step.prompt_logprobs is None:  # graphs hold no adapter and no prompt's logits
             logits = self.cuda_graphs.replay(step, feed)
         if logits is None:
             logits = self._run_eager(step, feed, lora_mapping)
@@ -167,9 +171,35 @@ class ModelRunner:
             feed_device_tokens(tokens_d[0], feed)
         with forward_context(meta, lora_mapping):
             hidden = self.model(tokens_d[0], tokens_d[1])
+        if step.prompt_logprobs is not None:
+            self.prompt_logprobs = self._score_prompt(hidden, *step.prompt_logprobs)
         if not step.logits_rows:  # only unfinished prompt chunks ran
             return None
         return self.model.compute_logits(sampled_rows(hidden, step.logits_rows))
+
+    def _score_prompt(self, hidden: torch.Tensor, rows: np.ndarray, targets: np.ndarray,
+                      k: int) -> tuple[torch.Tensor, ...]:
+        """Log-softmax of the logits at `rows` (PROMPT_LOGITS_ROWS at a time: a 128k vocabulary in fp32 is 0.5 MB
+        a row) -> (each target's logprob, its rank, the top k ids, their logprobs), left on the device."""
+        rows_d = torch.from_numpy(rows).to(self.device)
+        targets_d = torch.from_numpy(targets).to(self.device)
+        pieces = []
+        for at in range(0, len(rows), PROMPT_LOGITS_ROWS):
+            logprobs = torch.log_softmax(self.model.compute_logits(hidden[rows_d[at : at + PROMPT_LOGITS_ROWS]])
+                                         .float(), dim=-1)
+            own = logprobs.gather(1, targets_d[at : at + PROMPT_LOGITS_ROWS, None])
+            rank = (logprobs > own).sum(dim=1) + 1
+            top = logprobs.topk(k, dim=1) if k else (logprobs[:, :0], logprobs[:, :0].long())
+            pieces.append((own[:, 0], rank, top[1], top[0]))
+        return tuple(torch.cat(parts) for parts in zip(*pieces, strict=True))
+
+    def take_prompt_logprobs(self) -> list[tuple[float, int, list[tuple[int, float]]]]:
+        """The last step's scored prompt tokens on the host, in prepare's order: (logprob, rank, top entries)
+        each (one device-to-host wait)."""
+        own, rank, top_ids, top_lps = (t.tolist() for t in self.prompt_logprobs)
+        self.prompt_logprobs = None
+        return [(lp, r, list(zip(ids, lps, strict=True)))
+                for lp, r, ids, lps in zip(own, rank, top_ids, top_lps, strict=True)]
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[TokenLogprobs | None]]:
         """Sample and read back at once: the overlapped path's copies, waited for here."""

@@ -30,6 +30,9 @@ class StepInputs(NamedTuple):
     state_slots: np.ndarray | None = None  # [n] int32: each sequence's state slot (models with recurrent state)
     # an eager decode step whose rows share prompt blocks: shared_prefix_groups' (groups, prefix_lens)
     cascade: tuple[np.ndarray, np.ndarray] | None = None
+    # prompt tokens to score (SamplingParams.prompt_logprobs): (token rows whose logits score them, the prompt
+    # tokens they score, the most top entries any of them asks for)
+    prompt_logprobs: tuple[np.ndarray, np.ndarray, int] | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -77,7 +80,14 @@ def prepare(batch: ScheduledBatch, block_size: int) -> StepInputs:
     state_slots = None
     if seqs[0].state_slot is not None:  # a model with recurrent state: every sequence holds a slot
         state_slots = np.fromiter((s.state_slot for s in seqs), dtype=np.int32, count=n)
-    return StepInputs(tokens, ends.astype(np.int32), cu, tables, logits_rows, num_decodes, state_slots)
+    scored = None
+    if spans := batch.prompt_logprob_spans():
+        rows = np.concatenate([np.arange(cu[i] + a - starts[i], cu[i] + e - starts[i]) for i, a, e in spans])
+        targets = np.fromiter(chain.from_iterable(seqs[i].token_ids[a + 1 : e + 1] for i, a, e in spans),
+                              dtype=np.int64, count=len(rows))
+        scored = (rows, targets, max(seqs[i].params.prompt_logprobs for i, _, _ in spans))
+    return StepInputs(tokens, ends.astype(np.int32), cu, tables, logits_rows, num_decodes, state_slots,
+                      prompt_logprobs=scored)
 
 
 def upload_rows(tokens: np.ndarray, device: torch.device) -> torch.Tensor:

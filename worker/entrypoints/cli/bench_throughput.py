@@ -26,7 +26,8 @@ def draw_requests(n: int, seed: int, input_range: tuple[int, int], output_range:
     return [([random.randint(100, top - 1) for _ in range(i)], o) for i, o in lengths]
 
 
-def run_engine(engine, requests, warmup: bool = True) -> dict:
+def run_engine(engine, requests, warmup: bool = True, prompt_logprobs: int | None = None) -> dict:
+    """prompt_logprobs: every request also scores its prompt (lm-eval-harness's loglikelihood requests)."""
     if warmup:  # compile kernels / first-touch memory outside the timed region
         engine.add_request("warmup", requests[0][0][:32],
                            SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, detokenize=False))
@@ -38,8 +39,8 @@ def run_engine(engine, requests, warmup: bool = True) -> dict:
     with frozen_heap():  # as `pagefleet serve` runs: no full GC pass over the start-up heap mid-run
         start = time.perf_counter()
         for i, (ids, out_len) in enumerate(requests):
-            engine.add_request(f"bench-{i}", ids,
-                               SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True, detokenize=False))
+            engine.add_request(f"bench-{i}", ids, SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True,
+                                                                 detokenize=False, prompt_logprobs=prompt_logprobs))
         steps = 0
         generated = 0
         preempt0 = engine.scheduler.num_preemptions
@@ -107,6 +108,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also run transformers generate() on the same requests")
     parser.add_argument("--hf-batch-size", type=int, default=64)
     parser.add_argument("--json-out", default=None, help="write the figures as JSON here")
+    parser.add_argument("--prompt-logprobs", type=int, default=None, metavar="K",
+                        help="every request also scores its prompt, K top logprobs a token (prompt_logprobs)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -117,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
                              engine.model_config.vocab_size)
     print(f"pagefleet bench throughput: {len(requests)} requests, input {args.input_len}, output {args.output_len}, "
           f"seed {args.dataset_seed}, model {engine.model_name}", flush=True)
-    ours = run_engine(engine, requests)
+    ours = run_engine(engine, requests, prompt_logprobs=args.prompt_logprobs)
     result = {"pagefleet": ours}
     print(
         f"pagefleet    : {ours['requests_per_s']:.2f} req/s, {ours['output_tok_per_s']:.1f} output tok/s, "
