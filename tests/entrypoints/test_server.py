@@ -354,7 +354,7 @@ BAD = [  # (path, body (dict or raw bytes), status, param)
     ("/v1/completions", {"prompt": "hi", "stop_token_ids": [-1]}, 400, "stop_token_ids"),
     ("/v1/completions", {"prompt": "hi", "seed": 2**70}, 400, "seed"),
     ("/v1/completions", b'{"prompt": "hi", "temperature": NaN}', 400, "temperature"),
-    ("/v1/completions", {"prompt": "hi", "echo": True}, 400, "echo"),
+    ("/v1/completions", {"prompt": "hi", "echo": True, "max_tokens": 0}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream_options"),
     ("/tokenize", {}, 400, "prompt"),
     ("/detokenize", {"tokens": [-3]}, 400, "tokens"),
@@ -397,7 +397,7 @@ REFUSED = [  # (path, fields that change what is generated and that the server d
     ("/v1/completions", {"allowed_token_ids": []}),
     ("/v1/completions", {"allowed_token_ids": [1, 10**7]}),
     ("/v1/completions", {"bad_words": ["x"]}),
-    ("/v1/completions", {"prompt_logprobs": 1}),
+    ("/v1/completions", {"prompt_logprobs": 21}),
     ("/v1/completions", {"chat_template_kwargs": {"enable_thinking": False}}),  # chat's fields, not completions'
     ("/v1/completions", {"continue_final_message": True}),
     # the bundled template reads no switch; continuing the final message excludes the generation prompt

@@ -4,10 +4,10 @@ In one process the HTTP event loop and the step thread share the GIL: at 64 stre
 per-chunk SSE sends keep the step thread waiting for it and the GPU idles. Here the child (a fresh
 interpreter) runs AsyncLLMEngine, the same loop with its pause, drain, sleep and held-request rules, and
 sends ONE message per step over a socket pair: per request the new tokens, text and logprobs (deltas;
-cumulative outputs would cost pickling time quadratic in the output length), with what the probes read
-(load, stats, weight version, adapters, pause and sleep state) piggybacked, so /load and /metrics cost no
-round trip. On the server a reader thread takes each message off the socket (a blocking read, the GIL
-released) and wakes each event loop once for it; that loop rebuilds its streams' cumulative RequestOutputs.
+cumulative outputs would cost pickling time quadratic in the output length) and its prompt logprobs once, with
+what the probes read (load, stats, weight version, adapters, pause and sleep state) piggybacked, so /load and
+/metrics cost no round trip. On the server a reader thread takes each message off the socket (a blocking read,
+the GIL released) and wakes each event loop once for it; that loop rebuilds its streams' cumulative RequestOutputs.
 RPCs (weight updates, adapters, pause / resume, sleep / wake_up) travel as (call id, method, args) and come
 back with their result or their exception, ValueError kept as such.
 
@@ -91,13 +91,15 @@ def _rebuild_error(name: str, message: str, param) -> Exception:
 
 
 class _Sent:
-    """What the server has of one request: its samples' token, text and logprob counts (the next delta's start)."""
+    """What the server has of one request: its samples' token, text and logprob counts (the next delta's start), and
+    whether its prompt logprobs went (once: they never change after)."""
 
-    __slots__ = ("first", "samples")
+    __slots__ = ("first", "samples", "scored")
 
     def __init__(self):
         self.first = True
         self.samples: list[list] = []  # per sample: [token count, text, logprob count]
+        self.scored = False
 
     def delta(self, out: RequestOutput) -> tuple:
         samples = []
@@ -122,8 +124,12 @@ class _Sent:
                             o.stop_reason, o.weight_versions))
         prompt = out.prompt_token_ids if self.first else None
         self.first = False
+        scored = None
+        if not self.scored and out.prompt_logprobs is not None:
+            self.scored = True
+            scored = [None if e is None else (e.token_id, e.logprob, e.top, e.rank) for e in out.prompt_logprobs]
         return (out.request_id, prompt, out.finished, out.num_cached_tokens, out.weight_version,
-                out.weight_versions, samples)
+                out.weight_versions, samples, scored)
 
 
 class _ChildEngine(AsyncLLMEngine):
@@ -292,16 +298,19 @@ def child_main() -> None:
 class _Stream:
     """One request's stream on the server: its event loop and queue, and the cumulative output it rebuilds."""
 
-    __slots__ = ("loop", "queue", "prompt", "samples")
+    __slots__ = ("loop", "queue", "prompt", "samples", "prompt_logprobs")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, prompt: list[int]):
         self.loop, self.queue, self.prompt = loop, asyncio.Queue(), prompt
         self.samples: list[CompletionOutput] = []
+        self.prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     def apply(self, delta: tuple) -> RequestOutput:
-        request_id, prompt, finished, cached, version, versions, samples = delta
+        request_id, prompt, finished, cached, version, versions, samples, scored = delta
         if prompt is not None:
             self.prompt = prompt
+        if scored is not None:
+            self.prompt_logprobs = [None if e is None else TokenLogprobs(*e) for e in scored]
         outputs = []
         for i, (index, keep, ids, replace, piece, lp_keep, lps, finish, stop, weight_versions) in enumerate(samples):
             prev = self.samples[i] if i < len(self.samples) else None
@@ -320,7 +329,8 @@ class _Stream:
             else:
                 self.samples[i] = out
             outputs.append(out)
-        return RequestOutput(request_id, self.prompt, outputs, finished, cached, version, versions)
+        return RequestOutput(request_id, self.prompt, outputs, finished, cached, version, versions,
+                             self.prompt_logprobs)
 
 
 def _apply_all(puts: list) -> None:

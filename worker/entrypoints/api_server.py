@@ -235,33 +235,40 @@ def build_app(engine, served_model_name: str | list[str] | None = None, api_key:
     @app.post("/v1/completions", responses=ERROR_RESPONSES)
     async def completions(body: CompletionRequest, request: Request):
         model = state.check_model(body.model)
-        if body.echo:
-            raise APIError(400, "echo is not supported.", param="echo")
+        if body.echo and body.max_tokens == 0:  # vLLM's echo of the prompt alone; our engine samples at least one
+            raise APIError(400, "max_tokens must be at least 1; echo with max_tokens 0 (the prompt alone) is not "
+                           "supported.", param="max_tokens")
         if body.suffix:
             raise APIError(400, "suffix is not supported.", param="suffix")
         if body.best_of is not None and body.best_of != body.n:
             raise APIError(400, "best_of other than n is not supported.", param="best_of")
         p = body.prompt
         if isinstance(p, str):
-            prompts = [p]
+            given = [p]
         elif p and all(isinstance(x, int) for x in p):
-            prompts = [p]
+            given = [p]
         else:
-            prompts = list(p)
-        if not prompts:
+            given = list(p)
+        if not given:
             raise APIError(400, "The prompt is empty.", param="prompt")
-        prompts = [state.tokenizer.encode(x) if isinstance(x, str) else list(x) for x in prompts]
+        prompts = [state.tokenizer.encode(x) if isinstance(x, str) else list(x) for x in given]
         constraint = structured_params(body)
         params = sampling_params(body, body.max_tokens, body.logprobs, state.max_num_seqs, state.vocab_size,
                                  constraint[0] if constraint else None)
         for ids in prompts:
             state.check_prompt(ids, body.max_tokens, "prompt")
+        echo = None
+        if body.echo:  # the prompt as given, token ids as their text
+            echo = [x if isinstance(x, str) else state.tokenizer.decode(ids) for x, ids in zip(given, prompts)]
+            if body.logprobs is not None:  # the echoed logprobs are the prompt tokens' first
+                params.prompt_logprobs = max(body.prompt_logprobs or 0, body.logprobs)
         # a reasoning model's constraint waits for its reasoning, per prompt (a prompt may have closed it)
         prompt_params = [dataclasses.replace(params, structured=s) if s is not params.structured else params
                          for s in (state.after_reasoning(params.structured, ids) for ids in prompts)]
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return await generate(state, request, False, model, prompts, params, body.stream, include_usage,
-                              state.lora_for(model), prompt_params=prompt_params)
+                              state.lora_for(model), prompt_params=prompt_params,
+                              prompt_logprobs=body.prompt_logprobs, echo=echo)
 
     @app.post("/v1/chat/completions", responses=ERROR_RESPONSES)
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -301,7 +308,7 @@ def build_app(engine, served_model_name: str | list[str] | None = None, api_key:
             reasoning = prompt_opens_reasoning(text[-64:])
         output = ChatOutput(parser, reasoning)
         return await generate(state, request, True, model, [ids], params, body.stream, include_usage,
-                              state.lora_for(model), output)
+                              state.lora_for(model), output, prompt_logprobs=body.prompt_logprobs)
 
     @app.get("/v1/models")
     async def models():

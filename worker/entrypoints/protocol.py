@@ -77,10 +77,10 @@ UNSUPPORTED: dict[str, Any] = {
     "prediction": _off(), "audio": _off(), "modalities": _off(["text"]), "reasoning_effort": _off(),
     "web_search_options": _off(), "verbosity": _off(),
     # vLLM's extensions
-    "use_beam_search": _off(False), "length_penalty": _off(1.0), "bad_words": _off([]),
-    "prompt_logprobs": _off(), "logits_processors": _off([]),
+    "use_beam_search": _off(False), "length_penalty": _off(1.0), "bad_words": _off([]), "logits_processors": _off([]),
     "spaces_between_special_tokens": _off(True), "truncate_prompt_tokens": _off(),
-    "echo": _off(False), "continue_final_message": _off(False), "add_generation_prompt": _off(True),
+    "echo": _off(False),  # chat only: completions declare it
+    "continue_final_message": _off(False), "add_generation_prompt": _off(True),
     "chat_template": _off(), "chat_template_kwargs": _off({}), "documents": _off(),  # chat's prompt
 }
 
@@ -111,6 +111,7 @@ class _SamplingRequest(_Request):
     stop_token_ids: list[int] | None = None
     logit_bias: dict[str, float] | None = None  # token id (a JSON key, so a string) -> bias in [-100, 100]
     allowed_token_ids: list[int] | None = None  # vLLM's: only these may be generated
+    prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob and the top k there (not streamed)
     ignore_eos: bool = False
     min_tokens: int = 0
     skip_special_tokens: bool = True
@@ -378,6 +379,8 @@ def sampling_params(req: _SamplingRequest, max_tokens: int | None, logprobs: int
     for name, value in sorted(req._unsupported.items()):
         if value is not None and not UNSUPPORTED[name](value, req):
             raise APIError(400, f"{name} is not supported by this server; leave it out", param=name)
+    if req.stream and req.prompt_logprobs:  # vLLM's rule: a stream has no place for them (0 passes there too)
+        raise APIError(400, "`prompt_logprobs` are not available when `stream=true`.", param="prompt_logprobs")
     logit_bias = None
     if req.logit_bias:
         try:
@@ -417,6 +420,7 @@ def sampling_params(req: _SamplingRequest, max_tokens: int | None, logprobs: int
         max_tokens=max_tokens,
         min_tokens=req.min_tokens,
         logprobs=logprobs,
+        prompt_logprobs=None if req.stream else req.prompt_logprobs,  # a stream never shows them: nothing to score
         logit_bias=logit_bias,
         allowed_token_ids=req.allowed_token_ids,
         skip_special_tokens=req.skip_special_tokens,
@@ -439,19 +443,49 @@ def _lp(x: float) -> float:
     return -9999.0 if x != x or x < -9999.0 else float(x)
 
 
-def completion_logprobs(entries: list, decode, text_offset: int) -> dict:
-    """The legacy completions shape: parallel lists, top_logprobs as {token text: logprob}."""
+def completion_logprobs(entries: list, decode, text_offset: int, k: int | None = None) -> dict:
+    """The legacy completions shape: parallel lists, top_logprobs as {token text: logprob}. An entry that is a bare
+    token id (an echoed prompt token with no logprob: the first) is null in token_logprobs and top_logprobs;
+    k: at most this many of an entry's top tokens (an echoed prompt's may be scored for more)."""
     tokens, token_logprobs, tops, offsets = [], [], [], []
     for e in entries:
-        text = decode(e.token_id)
+        if isinstance(e, int):
+            text = decode(e)
+            token_logprobs.append(None)
+            tops.append(None)
+        else:
+            text = decode(e.token_id)
+            token_logprobs.append(_lp(e.logprob))
+            top = {decode(t): _lp(lp) for t, lp in e.top[:k]}
+            top.setdefault(text, _lp(e.logprob))
+            tops.append(top)
         tokens.append(text)
-        token_logprobs.append(_lp(e.logprob))
-        top = {decode(t): _lp(lp) for t, lp in e.top}
-        top.setdefault(text, _lp(e.logprob))
-        tops.append(top)
         offsets.append(text_offset)
         text_offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
+
+
+def echo_entries(prompt_token_ids: list[int], prompt_logprobs: list | None) -> list:
+    """An echoed prompt's completion_logprobs entries: each token's TokenLogprobs, or its id where it has none."""
+    scored = prompt_logprobs or [None] * len(prompt_token_ids)
+    return [t if e is None else e for t, e in zip(prompt_token_ids, scored)]
+
+
+def vllm_prompt_logprobs(prompt_logprobs: list | None, k: int, decode) -> list | None:
+    """vLLM's prompt_logprobs: per prompt token null (the first) or {token id: {logprob, rank, decoded_token}}, the
+    prompt token first with its own rank, then the top k not already there, best first (ranks 1..k)."""
+    if prompt_logprobs is None:
+        return None
+    out: list[dict | None] = []
+    for e in prompt_logprobs:
+        if e is None:
+            out.append(None)
+            continue
+        entry = {str(e.token_id): {"logprob": _lp(e.logprob), "rank": e.rank, "decoded_token": decode(e.token_id)}}
+        for rank, (t, lp) in enumerate(e.top[:k], 1):
+            entry.setdefault(str(t), {"logprob": _lp(lp), "rank": rank, "decoded_token": decode(t)})
+        out.append(entry)
+    return out
 
 
 def chat_logprobs(entries: list, decode) -> dict:

@@ -14,7 +14,15 @@ from typing import TYPE_CHECKING
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from pagefleet.worker.entrypoints.protocol import APIError, chat_logprobs, completion_logprobs, error_body, usage
+from pagefleet.worker.entrypoints.protocol import (
+    APIError,
+    chat_logprobs,
+    completion_logprobs,
+    echo_entries,
+    error_body,
+    usage,
+    vllm_prompt_logprobs,
+)
 from pagefleet.worker.entrypoints.reasoning import ReasoningStreamer, split_reasoning
 
 if TYPE_CHECKING:
@@ -189,9 +197,11 @@ def _sse(obj) -> str:
 
 async def generate(state: ServerState, request: Request, chat: bool, model: str, prompts: list[list[int]],
                     params, stream: bool, include_usage: bool, lora_name: str | None = None,
-                    output: ChatOutput | None = None, prompt_params: list | None = None):
+                    output: ChatOutput | None = None, prompt_params: list | None = None,
+                    prompt_logprobs: int | None = None, echo: list[str] | None = None):
     """Run one completions / chat request; returns a JSON or a server-sent-events response (prompt_params: as
-    Generation takes them)."""
+    Generation takes them). prompt_logprobs: the top k of vLLM's prompt_logprobs to answer with (not streamed);
+    echo: each prompt's text, to lead its choices' text (and their logprobs, the prompt tokens')."""
     output = output or ChatOutput()
     if include_usage and not stream:
         raise APIError(400, "stream_options is only allowed with stream=true.", param="stream_options")
@@ -210,7 +220,13 @@ async def generate(state: ServerState, request: Request, chat: bool, model: str,
             return None
         if chat:
             return chat_logprobs(entries or [], state.decode_token)
-        return completion_logprobs(entries or [], state.decode_token, text_offset)
+        return completion_logprobs(entries or [], state.decode_token, text_offset, params.logprobs)
+
+    def echoed(i: int, out, text: str, entries):
+        """A choice's text and logprob entries with prompt i in front."""
+        if want_logprobs:
+            entries = echo_entries(prompts[i], out.prompt_logprobs) + (entries or [])
+        return echo[i] + text, entries
 
     def completion_tokens():
         return sum(gen.tokens_seen.values())
@@ -229,18 +245,29 @@ async def generate(state: ServerState, request: Request, chat: bool, model: str,
             gen.close()
         choices = []
         for i in sorted(final):
+            scored = None
+            if prompt_logprobs is not None:
+                scored = vllm_prompt_logprobs(final[i].prompt_logprobs, prompt_logprobs, state.decode_token)
             for o in sorted(final[i].outputs, key=lambda o: o.index):
-                c = {"index": i * n + o.index, "logprobs": logprobs_of(o.logprobs, 0),
+                text, entries = o.text, o.logprobs
+                if echo is not None:
+                    text, entries = echoed(i, final[i], text, entries)
+                c = {"index": i * n + o.index, "logprobs": logprobs_of(entries, 0),
                      "finish_reason": o.finish_reason, "stop_reason": o.stop_reason}
                 if chat:
-                    c["message"], c["finish_reason"] = output.message(o.text, o.finish_reason)
+                    c["message"], c["finish_reason"] = output.message(text, o.finish_reason)
                 else:
-                    c["text"] = o.text
+                    c["text"] = text
+                    if prompt_logprobs is not None:  # vLLM's place: on each choice of the prompt
+                        c["prompt_logprobs"] = scored
                 choices.append(c)
         # the policy that produced the samples, for an RL trainer (SGLang reports it in its meta info)
         version = max(out.weight_version for out in final.values())
-        return JSONResponse({**head, "choices": choices, "usage": usage(prompt_tokens, completion_tokens()),
-                             "weight_version": version})
+        body = {**head, "choices": choices, "usage": usage(prompt_tokens, completion_tokens()),
+                "weight_version": version}
+        if chat and prompt_logprobs is not None:  # vLLM's place: beside the choices (a chat has one prompt)
+            body["prompt_logprobs"] = scored
+        return JSONResponse(body)
 
     chunk_head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
     extra = {"usage": None} if include_usage else {}
@@ -248,6 +275,7 @@ async def generate(state: ServerState, request: Request, chat: bool, model: str,
     async def events():
         seen: dict[int, list[int]] = {}  # choice index -> [text length sent, logprobs sent]
         finished: set[int] = set()
+        echoes: set[int] = set()  # choices whose prompt is sent
         pending: list[str] = []  # events not yet written: several steps' worth go out in one write
         streams: dict[int, _ChoiceStream] = {}
         # Each chunk carries the weight version of the policy that produced it, as non-streamed bodies do.
@@ -269,6 +297,12 @@ async def generate(state: ServerState, request: Request, chat: bool, model: str,
                     if not text and not entries and o.finish_reason is None:
                         continue
                     offset, sent[0], sent[1] = sent[0], len(o.text), len(o.logprobs or [])
+                    if echo is not None:  # the prompt leads the choice's first chunk, as in vLLM
+                        if index in echoes:
+                            offset += len(echo[i])
+                        else:
+                            echoes.add(index)
+                            text, entries = echoed(i, out, text, entries)
                     if o.finish_reason is not None:
                         finished.add(index)
                     c = {"index": index, "logprobs": logprobs_of(entries, offset),
