@@ -42,7 +42,8 @@ def llama_case(tiny_models):
     from transformers import AutoTokenizer
 
     path = tiny_models["llama"]
-    prompts = varied_prompts(AutoTokenizer.from_pretrained(path))
+    # without the bundled tokenizer the tiny models' word-level one may leave a short prompt empty
+    prompts = [p for p in varied_prompts(AutoTokenizer.from_pretrained(path)) if p]
     return path, prompts, hf_prompt_logprobs(path, prompts)
 
 
@@ -70,7 +71,7 @@ def test_prompt_logprobs_of_other_architectures(tiny_models, arch):
     from transformers import AutoTokenizer
 
     path = tiny_models[arch]
-    prompts = varied_prompts(AutoTokenizer.from_pretrained(path))[:5]
+    prompts = [p for p in varied_prompts(AutoTokenizer.from_pretrained(path)) if p][:5]
     expected = hf_prompt_logprobs(path, prompts)
     llm = LLM(str(path), device="cpu", max_model_len=320, max_num_batched_tokens=64)
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=1))
@@ -115,8 +116,10 @@ def test_prompt_logprobs_on_cuda_beside_graphed_steps(llama_case):
         assert mixed[i].outputs[0].token_ids == alone[i].outputs[0].token_ids
         out = mixed[len(prompts) + i].prompt_logprobs
         assert len(out) == len(prompt) and out[0] is None
+        if len(prompt) == 1:  # nothing before its only token: nothing to score
+            continue
         got = torch.tensor([e.logprob for e in out[1:]])
-        want = expected[i][torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
+        want = expected[i][torch.arange(len(prompt) - 1), torch.tensor(prompt[1:], dtype=torch.long)]
         assert (got - want).abs().mean() < 0.05, (got - want).abs().max()
         assert [e.token_id for e in out[1:]] == prompt[1:]
         top1 = sum(e.top[0][0] == expected[i][j].argmax().item() for j, e in enumerate(out[1:]))
