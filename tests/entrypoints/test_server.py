@@ -355,6 +355,12 @@ BAD = [  # (path, body (dict or raw bytes), status, param)
     ("/v1/completions", {"prompt": "hi", "seed": 2**70}, 400, "seed"),
     ("/v1/completions", b'{"prompt": "hi", "temperature": NaN}', 400, "temperature"),
     ("/v1/completions", {"prompt": "hi", "echo": True, "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "truncate_prompt_tokens": -2}, 400, "truncate_prompt_tokens"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 16, "truncate_prompt_tokens": 241}, 400,
+     "truncate_prompt_tokens"),
+    ("/v1/completions", {"prompt": "hi", "truncation_side": "left"}, 400, "truncation_side"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "truncate_prompt_tokens": 2,
+                              "truncation_side": "middle"}, 400, "truncation_side"),
     ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream_options"),
     ("/tokenize", {}, 400, "prompt"),
     ("/detokenize", {"tokens": [-3]}, 400, "tokens"),
@@ -426,6 +432,26 @@ def test_fields_that_ask_for_nothing_or_change_nothing_are_accepted(server):
             "parallel_tool_calls": True, "logit_bias": {}}
     r = httpx.post(server.url + "/v1/chat/completions", json=body, headers=AUTH, timeout=60)
     assert r.status_code == 200, r.text
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_end_or_start(server, llm, tokenizer):
+    """vLLM's truncate_prompt_tokens: the last k tokens (truncation_side "right": the first k), what the offline
+    engine gives on those tokens; -1 keeps as many as fit beside max_tokens, so an overlong prompt is served."""
+    client = server.client()
+    ids = tokenizer.encode("The history of the printing press begins in the fifteenth century, when movable type")
+    for side, kept in (("left", ids[-7:]), ("right", ids[:7]), (None, ids[-7:])):
+        want = llm.generate([kept], greedy(8))[0].outputs[0].text
+        extra = {"truncate_prompt_tokens": 7} | ({"truncation_side": side} if side else {})
+        r = client.completions.create(model="smol", prompt=ids, max_tokens=8, temperature=0, extra_body=extra)
+        assert (r.choices[0].text, r.usage.prompt_tokens) == (want, 7), side
+    long_prompt = ids * 30  # far past max_model_len (256)
+    r = client.completions.create(model="smol", prompt=long_prompt, max_tokens=8, temperature=0,
+                                  extra_body={"truncate_prompt_tokens": -1, "echo": True})
+    assert r.usage.prompt_tokens == 256 - 8
+    assert r.choices[0].text.startswith(tokenizer.decode(long_prompt[-248:]))  # echo shows what the model saw
+    chat = client.chat.completions.create(model="smol", messages=[{"role": "user", "content": "Name a colour."}],
+                                          max_tokens=4, extra_body={"truncate_prompt_tokens": 5})
+    assert chat.usage.prompt_tokens == 5
 
 
 def test_logit_bias_is_honoured(server, llm, tokenizer):

@@ -135,6 +135,24 @@ class ServerState:
             text = self._token_text[token_id] = self.tokenizer.decode([token_id])
         return text
 
+    def truncate(self, ids: list[int], body, max_tokens: int | None) -> list[int]:
+        """vLLM's truncate_prompt_tokens: the prompt's last k tokens (its first k with truncation_side "right");
+        -1 keeps as many as fit beside max_tokens. A k that cannot fit is a 400 naming it."""
+        k = body.truncate_prompt_tokens
+        if k is None:
+            if body.truncation_side is not None:
+                raise APIError(400, "truncation_side needs truncate_prompt_tokens.", param="truncation_side")
+            return ids
+        room = self.max_model_len - (max_tokens or 1)
+        if k > room:
+            raise APIError(400, f"truncate_prompt_tokens={k} cannot be greater than max_model_len "
+                           f"({self.max_model_len}) - max_tokens ({max_tokens or 1}) = {room}.",
+                           param="truncate_prompt_tokens")
+        k = room if k == -1 else k
+        if k >= len(ids):
+            return ids
+        return ids[:k] if body.truncation_side == "right" else ids[len(ids) - k:]
+
     def check_prompt(self, ids: list[int], max_tokens: int | None, param: str) -> None:
         if not ids:
             raise APIError(400, "The prompt is empty.", param=param)
@@ -251,7 +269,8 @@ def build_app(engine, served_model_name: str | list[str] | None = None, api_key:
             given = list(p)
         if not given:
             raise APIError(400, "The prompt is empty.", param="prompt")
-        prompts = [state.tokenizer.encode(x) if isinstance(x, str) else list(x) for x in given]
+        prompts = [state.truncate(state.tokenizer.encode(x) if isinstance(x, str) else list(x), body, body.max_tokens)
+                   for x in given]
         constraint = structured_params(body)
         params = sampling_params(body, body.max_tokens, body.logprobs, state.max_num_seqs, state.vocab_size,
                                  constraint[0] if constraint else None)
@@ -259,7 +278,8 @@ def build_app(engine, served_model_name: str | list[str] | None = None, api_key:
             state.check_prompt(ids, body.max_tokens, "prompt")
         echo = None
         if body.echo:  # the prompt as given, token ids as their text
-            echo = [x if isinstance(x, str) else state.tokenizer.decode(ids) for x, ids in zip(given, prompts)]
+            echo = [x if isinstance(x, str) and body.truncate_prompt_tokens is None else state.tokenizer.decode(ids)
+                    for x, ids in zip(given, prompts)]  # a truncated prompt echoes what the model saw
             if body.logprobs is not None:  # the echoed logprobs are the prompt tokens' first
                 params.prompt_logprobs = max(body.prompt_logprobs or 0, body.logprobs)
         # a reasoning model's constraint waits for its reasoning, per prompt (a prompt may have closed it)
@@ -295,6 +315,7 @@ def build_app(engine, served_model_name: str | list[str] | None = None, api_key:
         shown = prompt_tools(tools, mode, state.exclude_tools_when_tool_choice_none)
         text, ids = state.chat_template.render(body.messages, body.add_generation_prompt, shown,
                                                body.continue_final_message, body.chat_template_kwargs)
+        ids = state.truncate(ids, body, max_tokens)
         state.check_prompt(ids, max_tokens, "messages")
         if params.structured is not None and state.think_end_id is not None:
             # the reply's own part of the prompt decides: a closed think block in an earlier turn does not count

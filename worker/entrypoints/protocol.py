@@ -78,7 +78,7 @@ UNSUPPORTED: dict[str, Any] = {
     "web_search_options": _off(), "verbosity": _off(),
     # vLLM's extensions
     "use_beam_search": _off(False), "length_penalty": _off(1.0), "bad_words": _off([]), "logits_processors": _off([]),
-    "spaces_between_special_tokens": _off(True), "truncate_prompt_tokens": _off(),
+    "spaces_between_special_tokens": _off(True),
     "echo": _off(False),  # chat only: completions declare it
     "continue_final_message": _off(False), "add_generation_prompt": _off(True),
     "chat_template": _off(), "chat_template_kwargs": _off({}), "documents": _off(),  # chat's prompt
@@ -112,6 +112,10 @@ class _SamplingRequest(_Request):
     logit_bias: dict[str, float] | None = None  # token id (a JSON key, so a string) -> bias in [-100, 100]
     allowed_token_ids: list[int] | None = None  # vLLM's: only these may be generated
     prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob and the top k there (not streamed)
+    # vLLM's: keep this many prompt tokens (-1: as many as fit beside max_tokens), the last ones unless
+    # truncation_side is "right"
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
+    truncation_side: Literal["left", "right"] | None = None
     ignore_eos: bool = False
     min_tokens: int = 0
     skip_special_tokens: bool = True
