@@ -1,6 +1,6 @@
-"""Structured outputs and tools through the gateway: the real LiteLLM proxy (`pagefleet gateway`) in front of one
-real `pagefleet serve`, driven by the real `openai` client; response_format and tools reach the worker and
-what comes back validates."""
+"""Structured outputs, tools and scoring requests through the gateway: the real LiteLLM proxy (`pagefleet gateway`)
+in front of one real `pagefleet serve`, driven by the real `openai` client; response_format, tools, echo and
+prompt_logprobs reach the worker and what comes back validates."""
 
 from __future__ import annotations
 
@@ -95,3 +95,28 @@ def test_vllms_chat_fields_pass_through(gw):
                    json={"model": MODEL, "messages": opened[:1], "max_tokens": 2,
                          "chat_template_kwargs": {"enable_thinking": False}})
     assert r.status_code == 400 and "chat_template_kwargs.enable_thinking" in r.text
+
+
+def test_scoring_requests_pass_through(gw):
+    """lm-eval-harness's local-completions loglikelihood request (token-id prompts, echo, logprobs 1, max_tokens 1)
+    and vLLM's prompt_logprobs come back through LiteLLM as the worker sends them, with the same scores."""
+    from transformers import AutoTokenizer
+
+    from pagefleet.worker.models.loader import bundled_model_path
+
+    ids = AutoTokenizer.from_pretrained(bundled_model_path()).encode("The capital of France is")
+    r = client(gw).completions.create(model=MODEL, prompt=[ids, ids[:3]], max_tokens=1, echo=True, logprobs=1,
+                                      temperature=0)
+    choices = sorted(r.choices, key=lambda ch: ch.index)
+    for choice, prompt in zip(choices, [ids, ids[:3]], strict=True):
+        lp = choice.logprobs
+        assert len(lp.tokens) == len(lp.token_logprobs) == len(prompt) + 1
+        assert lp.token_logprobs[0] is None and all(x <= 0 for x in lp.token_logprobs[1:])
+        assert lp.top_logprobs[0] is None and all(len(top) >= 1 for top in lp.top_logprobs[1:])
+    body = httpx.post(gw.url + "/v1/completions", headers={"Authorization": f"Bearer {MASTER_KEY}"}, timeout=60,
+                      json={"model": MODEL, "prompt": ids, "max_tokens": 1, "prompt_logprobs": 2}).json()
+    scored = body["choices"][0]["prompt_logprobs"]
+    assert len(scored) == len(ids) and scored[0] is None
+    assert all(str(t) in entry for t, entry in zip(ids[1:], scored[1:], strict=True))
+    assert choices[0].logprobs.token_logprobs[1:len(ids)] == pytest.approx(
+        [entry[str(t)]["logprob"] for t, entry in zip(ids[1:], scored[1:], strict=True)], abs=1e-4)
