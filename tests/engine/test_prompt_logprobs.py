@@ -54,13 +54,14 @@ def test_prompt_logprobs_match_transformers_in_chunks_with_preemption(llama_case
     llm = LLM(str(path), device="cpu", max_model_len=320, max_num_batched_tokens=16, num_gpu_blocks_override=20,
               enable_prefix_caching=prefix_caching)
     plain = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-    scored = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, prompt_logprobs=TOP)
+    tops = [TOP if i % 2 else 1 for i in range(len(prompts))]  # steps that score for several k at once
+    scored = [SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, prompt_logprobs=k) for k in tops]
     # every prompt twice, once with prompt logprobs: the second asks after the first cached its blocks
-    outs = llm.generate(prompts + prompts, [plain] * len(prompts) + [scored] * len(prompts))
+    outs = llm.generate(prompts + prompts, [plain] * len(prompts) + scored)
     assert llm.engine.stats().num_preemptions_total > 0, "the KV budget was meant to force preemption"
     for i, prompt in enumerate(prompts):
         assert outs[i].prompt_logprobs is None
-        check(outs[len(prompts) + i].prompt_logprobs, prompt, expected[i], TOP)
+        check(outs[len(prompts) + i].prompt_logprobs, prompt, expected[i], tops[i])
         # scoring the prompt does not change what is generated
         assert outs[len(prompts) + i].outputs[0].token_ids == outs[i].outputs[0].token_ids
     assert llm.engine.block_manager.num_free_blocks == 20

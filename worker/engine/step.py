@@ -185,12 +185,18 @@ class EngineStep:
 
     def _add_prompt_logprobs(self, seqs: list[Sequence], spans: list[tuple[int, int, int]]) -> None:
         """The prompt tokens this step scored, appended to their sequences (spans: batch.prompt_logprob_spans())."""
-        scored = iter(self.runner.take_prompt_logprobs())
-        for i, start, end in spans:
-            seq = seqs[i]
+        own, rank, top_ids, top_lps = self.runner.take_prompt_logprobs()
+        step_k = len(top_ids[0]) if top_ids else 0  # the most any sequence of the step asked for
+        at = 0
+        for i, start, end in spans:  # one comprehension a sequence: a 2,048-token chunk makes 2,048 entries
+            seq, rows = seqs[i], slice(at, at + end - start)
+            at = rows.stop
             k = seq.params.prompt_logprobs
-            for token, (logprob, rank, top) in zip(seq.token_ids[start + 1 : end + 1], scored):
-                seq.prompt_logprobs.append(TokenLogprobs(token, logprob, top[:k], rank))
+            ids, lps = top_ids[rows], top_lps[rows]
+            if k < step_k:
+                ids, lps = [t[:k] for t in ids], [t[:k] for t in lps]
+            seq.prompt_logprobs.extend(TokenLogprobs(token, lp, list(zip(t, tl)), r) for token, lp, r, t, tl in zip(
+                seq.token_ids[start + 1 : end + 1], own[rows], rank[rows], ids, lps))
 
     @staticmethod
     def _feed(batch: ScheduledBatch, prev: PendingStep) -> tuple[np.ndarray, object]:

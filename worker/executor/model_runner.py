@@ -193,13 +193,11 @@ class ModelRunner:
             pieces.append((own[:, 0], rank, top[1], top[0]))
         return tuple(torch.cat(parts) for parts in zip(*pieces, strict=True))
 
-    def take_prompt_logprobs(self) -> list[tuple[float, int, list[tuple[int, float]]]]:
-        """The last step's scored prompt tokens on the host, in prepare's order: (logprob, rank, top entries)
-        each (one device-to-host wait)."""
-        own, rank, top_ids, top_lps = (t.tolist() for t in self.prompt_logprobs)
-        self.prompt_logprobs = None
-        return [(lp, r, list(zip(ids, lps, strict=True)))
-                for lp, r, ids, lps in zip(own, rank, top_ids, top_lps, strict=True)]
+    def take_prompt_logprobs(self) -> tuple[list, list, list, list]:
+        """The last step's scored prompt tokens on the host, in prepare's order: their logprobs, ranks, top ids
+        and top logprobs (one device-to-host wait)."""
+        scored, self.prompt_logprobs = self.prompt_logprobs, None
+        return tuple(t.tolist() for t in scored)
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[TokenLogprobs | None]]:
         """Sample and read back at once: the overlapped path's copies, waited for here."""
