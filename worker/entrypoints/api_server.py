@@ -7,6 +7,7 @@ around the app (flags, uvicorn, SIGTERM drain) is serve.py.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import hmac
 import logging
@@ -45,6 +46,7 @@ from pagefleet.worker.entrypoints.reasoning import (
 )
 from pagefleet.worker.entrypoints.rl_api import add_rl_routes
 from pagefleet.worker.entrypoints.streaming import ChatOutput, Generation, generate
+from pagefleet.worker.entrypoints.tokenizing import AsyncTokenizer
 from pagefleet.worker.entrypoints.tool_parsers import ToolParser, tool_parser
 
 log = logging.getLogger("pagefleet.server")
@@ -82,6 +84,7 @@ class ServerState:
         self.generations: set[Generation] = set()
         self.metrics = ServerMetrics(self.model_name, engine.stats)
         self.tokenizer = engine.tokenizer
+        self.prompts = AsyncTokenizer(self.tokenizer)  # request prompts, encoded off the event loop
         self.max_model_len = engine.max_model_len
         self.max_num_seqs = engine.load()["max_num_seqs"]
         block_size, num_blocks, model_vocab, architecture = _engine_facts(engine)
@@ -269,7 +272,9 @@ def build_app(engine, served_model_name: str | list[str] | None = None, api_key:
             given = list(p)
         if not given:
             raise APIError(400, "The prompt is empty.", param="prompt")
-        prompts = [state.truncate(state.tokenizer.encode(x) if isinstance(x, str) else list(x), body, body.max_tokens)
+        encoded = await asyncio.gather(*(state.prompts.encode(x) for x in given if isinstance(x, str)))
+        texts = iter(encoded)
+        prompts = [state.truncate(next(texts) if isinstance(x, str) else list(x), body, body.max_tokens)
                    for x in given]
         constraint = structured_params(body)
         params = sampling_params(body, body.max_tokens, body.logprobs, state.max_num_seqs, state.vocab_size,
@@ -313,8 +318,9 @@ def build_app(engine, served_model_name: str | list[str] | None = None, api_key:
         if parser is not None and not parser.skip_special_tokens:
             params.skip_special_tokens = False  # the format's marker is a special token
         shown = prompt_tools(tools, mode, state.exclude_tools_when_tool_choice_none)
-        text, ids = state.chat_template.render(body.messages, body.add_generation_prompt, shown,
+        text = state.chat_template.render_text(body.messages, body.add_generation_prompt, shown,
                                                body.continue_final_message, body.chat_template_kwargs)
+        ids = await state.prompts.encode(text, add_special_tokens=False)
         ids = state.truncate(ids, body, max_tokens)
         state.check_prompt(ids, max_tokens, "messages")
         if params.structured is not None and state.think_end_id is not None:

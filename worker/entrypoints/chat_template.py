@@ -33,16 +33,21 @@ class ChatTemplate:
     def render(self, messages, add_generation_prompt: bool = True, tools: list[dict] | None = None,
                continue_final_message: bool = False,
                template_kwargs: dict | None = None) -> tuple[str, list[int]]:
-        """The chat prompt as text and token ids, tools rendered as the template (or the parser) writes them.
-        continue_final_message: the last message is left open for the model to go on with (no end of turn), as
-        in transformers and vLLM; it excludes add_generation_prompt."""
+        """The chat prompt as text and token ids (render_text, then encoded)."""
+        text = self.render_text(messages, add_generation_prompt, tools, continue_final_message, template_kwargs)
+        return text, self.tokenizer.encode(text, add_special_tokens=False)  # the template holds the special tokens
+
+    def render_text(self, messages, add_generation_prompt: bool = True, tools: list[dict] | None = None,
+                    continue_final_message: bool = False, template_kwargs: dict | None = None) -> str:
+        """The chat prompt as text, tools rendered as the template (or the parser) writes them; encode it without
+        special tokens (the template holds them, as LLM.chat does). continue_final_message: the last message is left
+        open for the model to go on with (no end of turn), as in transformers and vLLM; it excludes
+        add_generation_prompt."""
         refused = prompt_options_error(self.variables, add_generation_prompt, continue_final_message, template_kwargs)
         if refused is not None:
             raise APIError(400, refused[1], param=refused[0])
         dicts, kwargs = self._inputs(messages, tools, template_kwargs)
-        text = self._apply(dicts, add_generation_prompt, kwargs, continue_final_message)
-        # The template already holds the special tokens (as LLM.chat does).
-        return text, self.tokenizer.encode(text, add_special_tokens=False)
+        return self._apply(dicts, add_generation_prompt, kwargs, continue_final_message)
 
     def generation_prompt(self, messages, tools: list[dict] | None, text: str, continue_final_message: bool = False,
                           template_kwargs: dict | None = None) -> str:
