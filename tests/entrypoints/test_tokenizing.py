@@ -99,3 +99,15 @@ def test_a_request_that_leaves_does_not_stop_the_others():
         return await tokens.encode("stays")
 
     assert asyncio.run(run()) == [5, 1]
+
+
+def test_an_event_loop_that_closed_does_not_stop_the_thread():
+    tokens = AsyncTokenizer(SlowTokenizer(0.1))
+
+    async def leave():
+        asyncio.get_running_loop().create_task(tokens.encode("left behind"))
+        await asyncio.sleep(0.01)  # queued and taken; the loop ends before its text is encoded
+
+    asyncio.run(leave())
+    time.sleep(0.2)  # the thread wakes a closed loop
+    assert asyncio.run(asyncio.wait_for(tokens.encode("next"), 5)) == [4, 1]  # a dead thread would leave it waiting

@@ -59,13 +59,20 @@ class AsyncTokenizer:
                     self._encode([item], add_special_tokens)
                 return
             _, _, future, loop = group[0]
-            loop.call_soon_threadsafe(_set, future, None, e)
+            _wake(loop, future, None, e)
             return
         for (_, _, future, loop), one in zip(group, ids, strict=True):
-            loop.call_soon_threadsafe(_set, future, one, None)
+            _wake(loop, future, one, None)
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False)
+
+
+def _wake(loop: asyncio.AbstractEventLoop, future: asyncio.Future, result, error) -> None:
+    try:
+        loop.call_soon_threadsafe(_set, future, result, error)
+    except RuntimeError:  # its event loop is closed: nobody waits for this text, and the thread goes on
+        pass
 
 
 def _set(future: asyncio.Future, result, error) -> None:
