@@ -30,7 +30,7 @@ class AsyncTokenizer:
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         with self._lock:
-            self._queued.append((text, add_special_tokens, future, loop))
+            self._queued.append((text, bool(add_special_tokens), future, loop))
             start, self._running = not self._running, True
         if start:
             self._pool.submit(self._drain)
@@ -47,7 +47,11 @@ class AsyncTokenizer:
             for flag in (True, False):  # one call per add_special_tokens value
                 group = [item for item in batch if item[1] is flag]
                 if group:
-                    self._encode(group, flag)
+                    try:
+                        self._encode(group, flag)
+                    except Exception as e:  # a fault of ours: its waiters fail, later texts still get a thread
+                        for _, _, future, loop in group:
+                            _wake(loop, future, None, e)
 
     def _encode(self, group: list, add_special_tokens: bool) -> None:
         self.batches += 1
