@@ -46,7 +46,7 @@ class ScheduledBatch:
         self.scoring = spans = []
         for i, seq in enumerate(self.seqs):  # every step, every row: one attribute read for a row that asks none
             scored = seq.prompt_logprobs
-            if scored is None or len(scored) >= seq.num_prompt_tokens - 1:
+            if scored is None or not seq.needs_prompt_logprobs:
                 continue
             computed = seq.num_computed_tokens
             assert len(scored) >= computed, "prompt positions skipped unscored"

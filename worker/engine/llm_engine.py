@@ -278,10 +278,10 @@ class LLMEngine(WeightUpdates):
                                                 list(seq.logprobs) if seq.logprobs is not None else None,
                                                 seq.stop_reason, list(seq.weight_versions)))
         version, versions = output_versions(request.seqs, [len(c.token_ids) for c in completions])
-        scored = request.seqs[0].prompt_logprobs
+        parent = request.seqs[0]
         prompt_logprobs = None
-        if scored is not None and len(scored) == len(request.prompt_token_ids) - 1:  # every prompt token scored
-            prompt_logprobs = [None, *scored]
+        if parent.prompt_logprobs is not None and not parent.needs_prompt_logprobs:  # every prompt token scored
+            prompt_logprobs = [None, *parent.prompt_logprobs]
         return RequestOutput(request.request_id, request.prompt_token_ids, completions, finished,
                              request.seqs[0].num_cached_tokens, version, versions, prompt_logprobs)
 

@@ -189,8 +189,8 @@ class ModelRunner:
                                          .float(), dim=-1)
             own = logprobs.gather(1, targets_d[at : at + PROMPT_LOGITS_ROWS, None])
             rank = (logprobs > own).sum(dim=1) + 1
-            top = logprobs.topk(k, dim=1) if k else (logprobs[:, :0], logprobs[:, :0].long())
-            pieces.append((own[:, 0], rank, top[1], top[0]))
+            top = logprobs.topk(k, dim=1)  # k = 0: empty rows
+            pieces.append((own[:, 0], rank, top.indices, top.values))
         return tuple(torch.cat(parts) for parts in zip(*pieces, strict=True))
 
     def take_prompt_logprobs(self) -> tuple[list, list, list, list]:
