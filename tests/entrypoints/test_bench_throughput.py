@@ -1,10 +1,13 @@
 """`pagefleet bench throughput`'s engine run: the anchors' request draws, exact token counts, and the start-up
 heap frozen for the timed run only (full GC passes over it paused the step loop for ~250 ms on the H200)."""
 
+import argparse
 import gc
 
+import pytest
+
 from pagefleet.worker import LLM
-from pagefleet.worker.entrypoints.cli.bench_throughput import draw_requests, run_engine
+from pagefleet.worker.entrypoints.cli.bench_throughput import add_arguments, draw_requests, run_engine
 from pagefleet.worker.executor.startup.gc_freeze import frozen_heap
 
 
@@ -61,3 +64,12 @@ def test_run_static_times_only_its_own_batch(tiny_models):
     assert added == [(20, 2)] * 3 + [(20, 5)] * 3  # same shapes first, then the batch
     assert result["requests"] == 3 and result["output_tokens"] == 3 * 5
     assert llm.engine.block_manager.num_free_blocks == 64
+
+
+def test_a_prompt_logprobs_out_of_range_is_refused_before_any_model_loads(capsys):
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert parser.parse_args(["--prompt-logprobs", "20"]).prompt_logprobs == 20
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--prompt-logprobs", "21"])
+    assert "--prompt-logprobs" in capsys.readouterr().err

@@ -108,8 +108,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also run transformers generate() on the same requests")
     parser.add_argument("--hf-batch-size", type=int, default=64)
     parser.add_argument("--json-out", default=None, help="write the figures as JSON here")
-    parser.add_argument("--prompt-logprobs", type=int, default=None, metavar="K",
-                        help="every request also scores its prompt, K top logprobs a token (prompt_logprobs)")
+    parser.add_argument("--prompt-logprobs", type=int, default=None, metavar="K", choices=range(21),
+                        help="every request also scores its prompt, K (0..20) top logprobs a token (prompt_logprobs)")
 
 
 def run(args: argparse.Namespace) -> int:
