@@ -13,7 +13,9 @@
 #     vbench   the same with VBENCH=1: vLLM's own `bench serve` client at concurrency 64, server-default sampling
 #     sampled  benchmarks/serve_sampled.sh: one server, the greedy client at c = 64, then `vllm bench serve` at
 #              c = 64 at the server's default sampling and at temperature 0.8 / top-p 0.95 / top-k 50
-#   DTYPES="bf16 fp8" (default bf16) and ENGINES="pagefleet vllm" (the default) pick the runs.
+#   DTYPES="bf16 fp8" (default bf16) and ENGINES="pagefleet vllm" (the default) pick the runs. KV_CACHE_DTYPE=fp8
+#   gives both engines an e4m3 KV cache in the sampled and grpo parts (their logs tagged -kvfp8); grpo then runs
+#   benchmarks/grpo_side.py, the same workload as side_offline.py --grpo with the flag passed.
 # Each run's output is kept in OUT_DIR/PART-ENGINE-DTYPE.log, and the table covers every log in OUT_DIR: parts run
 # in separate calls (a persistent OUT_DIR such as /root/side) add up to one table. `side_by_side.sh DIR table`
 # only prints it, on any machine.
@@ -46,6 +48,7 @@ for part in "${parts[@]}"; do
     for eng in ${ENGINES:-pagefleet vllm}; do
       tag=$part
       [ "$part" = offline ] && tag=$part${TEMP:+-temp$TEMP}  # side_offline.py samples at TEMP; the servers ignore it
+      case $part in sampled | grpo) tag=$tag${KV_CACHE_DTYPE:+-kv$KV_CACHE_DTYPE} ;; esac
       log="$out/$tag-$eng-$dt.log"
       echo "== $tag $eng $dt -> $log"
       pypath=/tmp/site
@@ -53,7 +56,12 @@ for part in "${parts[@]}"; do
       export PYTHONPATH=$pypath
       case $part in
         offline) python3 .peer/side_offline.py "$eng" "$dt" /root/llama8b ;;
-        grpo) python3 .peer/side_offline.py "$eng" "$dt" /root/llama8b --grpo ;;
+        grpo)
+          if [ -n "${KV_CACHE_DTYPE:-}" ]; then
+            python3 benchmarks/grpo_side.py "$eng" "$dt" /root/llama8b --kv-cache-dtype "$KV_CACHE_DTYPE"
+          else
+            python3 .peer/side_offline.py "$eng" "$dt" /root/llama8b --grpo
+          fi ;;
         serve) bash .peer/side_serve.sh "$eng" "$dt" ;;
         vbench) CONCS=${CONCS:-1} VBENCH=1 bash .peer/side_serve.sh "$eng" "$dt" ;;
         sampled) bash benchmarks/serve_sampled.sh "$eng" "$dt" ;;

@@ -12,8 +12,9 @@ share plus sampling.
 the CUDA kernels by device time (torch.profiler) of two windows of N steps: from step 3 (prompt-heavy where
 every request arrives at once) and from step 100 (decodes).
 
-Usage: python3 benchmarks/step_breakdown.py MODEL [--quantization fp8] [--concurrency 64] [--requests 256]
-         [--input-len 564] [--output-len 128] [--temperature 1.0] [--max-model-len 2048] [--fraction 0.85]
+Usage: python3 benchmarks/step_breakdown.py MODEL [--quantization fp8] [--kv-cache-dtype fp8] [--concurrency 64]
+         [--requests 256] [--input-len 564] [--output-len 128] [--temperature 1.0] [--max-model-len 2048]
+         [--fraction 0.85]
          [--mixed-draw 0] [--n 16] [--max-num-seqs N] [--max-num-batched-tokens N] [--profile 40]
 
 `--n N` samples N continuations of each prompt, seeded by request, as GRPO rollouts do (side_offline.py --grpo:
@@ -100,6 +101,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("model")
     p.add_argument("--quantization", default=None)
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--requests", type=int, default=256)
     p.add_argument("--input-len", type=int, default=564)
@@ -119,7 +121,8 @@ def main() -> None:
     a = p.parse_args()
 
     engine = LLMEngine(EngineConfig(model=a.model, max_model_len=a.max_model_len, gpu_memory_fraction=a.fraction,
-                                    quantization=a.quantization, max_num_seqs=a.max_num_seqs,
+                                    quantization=a.quantization, kv_cache_dtype=a.kv_cache_dtype,
+                                    max_num_seqs=a.max_num_seqs,
                                     max_num_batched_tokens=a.max_num_batched_tokens))
     engine.emit_partial = False
     if a.no_cascade:
@@ -147,7 +150,8 @@ def main() -> None:
     records.clear()
     shape = "hybrid_bench's mixed draw" if a.mixed_draw is not None else f"{a.input_len} / {a.output_len} tokens"
     print(f"closed loop: {a.requests} requests of {shape}, {a.concurrency} in flight, temperature {a.temperature}, "
-          f"{a.quantization or 'no quantization'}, n {a.n}, max_num_seqs {engine.config.max_num_seqs}", flush=True)
+          f"{a.quantization or 'no quantization'}, KV cache {a.kv_cache_dtype}, n {a.n}, "
+          f"max_num_seqs {engine.config.max_num_seqs}", flush=True)
     cuda = torch.cuda.is_available()
     windows = (3, 100) if a.profile else ()
     profiler, tables = None, {}

@@ -13,6 +13,7 @@ from triton.language.extra import cuda as tl_cuda
 
 from . import pdl
 from .arrivals import counters
+from .kv_cache import cache_value
 from .rope import rope_and_write_kv, rotate_tile
 
 LOG2E = 1.4426950408889634
@@ -21,7 +22,7 @@ LOG2E = 1.4426950408889634
 @triton.jit
 def _attend_tile(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head_k, kv_head_v, tok0,
                  key_limit, kv_end, qk_scale, stride_kb, stride_ko, stride_vb, stride_vo, offs_d, d_mask,
-                 BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr, UPCAST: tl.constexpr):
+                 BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr):
     """One online-softmax step over keys tok0 .. tok0+BLOCK_N of one sequence.
 
     key_limit [M]: last key position each row may see (causal); kv_end: keys at or past it are not
@@ -42,8 +43,9 @@ def _attend_tile(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr, kv
         k = tl.load(k_cache_ptr + k_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
     else:
         k = tl.load(k_cache_ptr + k_rows[:, None] + offs_d[None, :], mask=d_mask[None, :], other=0.0)
-    if UPCAST:  # the interpreter mishandles half-precision arithmetic
-        k = k.to(tl.float32)
+    # to q's type: an fp8 cache's keys widen in registers (the tile's bytes are what the kernel waits on), and
+    # under the interpreter (UPCAST) q is fp32, as it mishandles half-precision arithmetic
+    k = k.to(q.dtype)
     s = tl.dot(q, tl.trans(k)) * qk_scale  # [M, BLOCK_N], log2 domain
     if MASK:
         visible = (offs_n[None, :] <= key_limit[:, None]) & (offs_n[None, :] < kv_end)
@@ -57,10 +59,7 @@ def _attend_tile(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr, kv
     else:
         v = tl.load(v_cache_ptr + v_rows[:, None] + offs_d[None, :], mask=d_mask[None, :], other=0.0)
     acc = acc * alpha[:, None]
-    if UPCAST:
-        acc = tl.dot(p, v.to(tl.float32), acc)
-    else:
-        acc = tl.dot(p.to(v.dtype), v, acc)  # accumulate in place (wgmma's accumulator on Hopper)
+    acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc)  # accumulate in place (wgmma's accumulator on Hopper)
     return acc, m_new, l_i
 
 
@@ -128,9 +127,9 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_p
             v = tl.load(v_new_ptr + seq * stride_vnb + kv_head * stride_vnh + offs_d, mask=d_mask)
             block, in_block = slot // BLOCK_SIZE, slot % BLOCK_SIZE
             tl.store(k_cache_ptr + block * stride_kb + in_block * stride_ko + kv_head * stride_kh + offs_d[None, :],
-                     k.to(k_cache_ptr.dtype.element_ty), mask=d_mask[None, :])
+                     cache_value(k, k_cache_ptr), mask=d_mask[None, :])
             tl.store(v_cache_ptr + block * stride_vb + in_block * stride_vo + kv_head * stride_vh + offs_d,
-                     v.to(v_cache_ptr.dtype.element_ty), mask=d_mask)
+                     cache_value(v, v_cache_ptr), mask=d_mask)
         tl.debug_barrier()  # this block's threads read the new key and value only after they are stored
     if UPCAST:
         q = q.to(tl.float32)
@@ -144,11 +143,11 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_p
     for tok0 in range(start, full_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table, kv_head * stride_kh,
                                      kv_head * stride_vh, tok0, key_limit, end, qk_scale, stride_kb, stride_ko,
-                                     stride_vb, stride_vo, offs_d, d_mask, BLOCK_SIZE, BLOCK_N, False, UPCAST)
+                                     stride_vb, stride_vo, offs_d, d_mask, BLOCK_SIZE, BLOCK_N, False)
     if full_end < end:
         acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table, kv_head * stride_kh,
                                      kv_head * stride_vh, full_end, key_limit, end, qk_scale, stride_kb, stride_ko,
-                                     stride_vb, stride_vo, offs_d, d_mask, BLOCK_SIZE, BLOCK_N, True, UPCAST)
+                                     stride_vb, stride_vo, offs_d, d_mask, BLOCK_SIZE, BLOCK_N, True)
 
     out_mask = g_mask[:, None] & d_mask[None, :]
     if SPLIT:  # unnormalised partials; an empty slice leaves m = -inf, l = 0, acc = 0

@@ -63,12 +63,12 @@ def _prefix_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, groups_ptr
             acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table,
                                          kv_head * stride_kh, kv_head * stride_vh, tok0, key_limit, prefix_len,
                                          qk_scale, stride_kb, stride_ko, stride_vb, stride_vo, offs_d, d_mask,
-                                         BLOCK_SIZE, BLOCK_N, False, UPCAST)
+                                         BLOCK_SIZE, BLOCK_N, False)
         if full_end < prefix_len:
             acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table,
                                          kv_head * stride_kh, kv_head * stride_vh, full_end, key_limit, prefix_len,
                                          qk_scale, stride_kb, stride_ko, stride_vb, stride_vo, offs_d, d_mask,
-                                         BLOCK_SIZE, BLOCK_N, True, UPCAST)
+                                         BLOCK_SIZE, BLOCK_N, True)
         row = seq * GROUP * tl.num_programs(1) + heads  # [B, H] flattened, as the decode kernel reads it
         tl.store(part_acc_ptr + row[:, None] * HEAD_DIM_PAD + offs_d[None, :], acc,
                  mask=valid[:, None] & d_mask[None, :])

@@ -2,6 +2,18 @@
 import triton
 import triton.language as tl
 
+# e4m3's largest finite value: an fp8 cache saturates there, where a plain cast would give NaN
+FP8_E4M3_MAX = tl.constexpr(448.0)
+
+
+@triton.jit
+def cache_value(x, cache_ptr):
+    """x in the cache's element type. An e4m3 cache (--kv-cache-dtype fp8) stores x / 1.0, saturated: vLLM's
+    default scale where the checkpoint brings none, so its fp8 cache and ours hold the same values."""
+    if cache_ptr.dtype.element_ty == tl.float8e4nv:
+        x = tl.minimum(tl.maximum(x.to(tl.float32), -FP8_E4M3_MAX), FP8_E4M3_MAX)
+    return x.to(cache_ptr.dtype.element_ty)
+
 
 @triton.jit
 def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
@@ -22,9 +34,9 @@ def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
     k = tl.load(k_ptr + token * stride_kt + head * stride_kh + d, mask=mask)
     v = tl.load(v_ptr + token * stride_vt + head * stride_vh + d, mask=mask)
     tl.store(k_cache_ptr + block_id * stride_kcb + in_block * stride_kco + head * stride_kch + d,
-             k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+             cache_value(k, k_cache_ptr), mask=mask)
     tl.store(v_cache_ptr + block_id * stride_vcb + in_block * stride_vco + head * stride_vch + d,
-             v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+             cache_value(v, v_cache_ptr), mask=mask)
 
 
 def write_kv_cache(k, v, k_cache, v_cache, slot_mapping):

@@ -72,11 +72,11 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_
     for tok0 in range(0, full_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table, kv_head * stride_kh,
                                      kv_head * stride_vh, tok0, key_limit, kv_end, qk_scale, stride_kb, stride_ko,
-                                     stride_vb, stride_vo, offs_d, d_mask, BLOCK_SIZE, BLOCK_N, False, UPCAST)
+                                     stride_vb, stride_vo, offs_d, d_mask, BLOCK_SIZE, BLOCK_N, False)
     for tok0 in range(full_end, kv_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table, kv_head * stride_kh,
                                      kv_head * stride_vh, tok0, key_limit, kv_end, qk_scale, stride_kb, stride_ko,
-                                     stride_vb, stride_vo, offs_d, d_mask, BLOCK_SIZE, BLOCK_N, True, UPCAST)
+                                     stride_vb, stride_vo, offs_d, d_mask, BLOCK_SIZE, BLOCK_N, True)
 
     out = acc / l_i[:, None]
     o_rows = (q_start + tok).to(tl.int64) * stride_ot + heads * stride_oh

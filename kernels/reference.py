@@ -24,12 +24,32 @@ def write_kv_cache(k, v, k_cache, v_cache, slot_mapping):
     slots = slot_mapping[keep]
     block_size = k_cache.shape[1]
     blocks, offsets = slots // block_size, slots % block_size
-    # Index assignment on (block, offset) works for non-contiguous caches too.
-    k_cache[blocks, offsets] = k[keep].to(k_cache.dtype)
-    v_cache[blocks, offsets] = v[keep].to(v_cache.dtype)
+    # Index assignment on (block, offset) works for non-contiguous caches too; an fp8 cache is written as bytes
+    for x, cache in ((k, k_cache), (v, v_cache)):
+        x = to_cache_dtype(x[keep], cache.dtype)
+        if cache.element_size() == 1:
+            cache, x = cache.view(torch.uint8), x.view(torch.uint8)
+        cache[blocks, offsets] = x
+
+
+FP8_E4M3_MAX = 448.0
+
+
+def to_cache_dtype(x, dtype):
+    """x in a cache of dtype: an e4m3 cache (scale 1.0) saturates at +-448, where a plain cast gives NaN."""
+    if dtype == torch.float8_e4m3fn:
+        x = x.float().clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
+    return x.to(dtype)
 
 
 # ---------------------------------------------------------------- attention
+
+
+def take_blocks(cache, blocks):
+    """cache[blocks]; an fp8 cache is gathered as bytes, which every device's index kernels take."""
+    if cache.element_size() == 1:
+        return cache.view(torch.uint8)[blocks].view(cache.dtype)
+    return cache[blocks]
 
 
 def gather_kv(cache, block_table, length):
@@ -37,7 +57,7 @@ def gather_kv(cache, block_table, length):
     block_size = cache.shape[1]
     num_blocks = (length + block_size - 1) // block_size
     blocks = block_table[:num_blocks].long()
-    return cache[blocks].flatten(0, 1)[:length]
+    return take_blocks(cache, blocks).flatten(0, 1)[:length]
 
 
 def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale=None, max_seq_len=None, out=None,
@@ -57,8 +77,8 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale=No
         max_seq_len = int(seq_lens.max()) if B else 0
     num_blocks = (max_seq_len + block_size - 1) // block_size
     blocks = block_tables[:, :num_blocks].long().clamp(min=0)  # -1 padding -> any valid block, masked below
-    k = k_cache[blocks].flatten(1, 2).float()  # [B, L, Hkv, D]
-    v = v_cache[blocks].flatten(1, 2).float()
+    k = take_blocks(k_cache, blocks).flatten(1, 2).float()  # [B, L, Hkv, D]
+    v = take_blocks(v_cache, blocks).flatten(1, 2).float()
     qg = q.float().view(B, Hkv, group, D)
     scores = torch.einsum("bkgd,blkd->bkgl", qg, k) * scale  # [B, Hkv, G, L]
     positions = torch.arange(k.shape[1], device=q.device)

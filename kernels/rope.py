@@ -7,6 +7,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .kv_cache import cache_value
+
 
 @triton.jit
 def _rope_rows(x_ptr, out_ptr, token, cos, sin, num_heads, stride_xt, stride_xh, stride_ot, stride_oh,
@@ -20,13 +22,16 @@ def _rope_rows(x_ptr, out_ptr, token, cos, sin, num_heads, stride_xt, stride_xh,
     dst = out_ptr + token * stride_ot + heads[:, None] * stride_oh
     x1 = tl.load(src + offs[None, :], mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src + HALF_ROT + offs[None, :], mask=mask, other=0.0).to(tl.float32)
-    tl.store(dst + offs[None, :], (x1 * cos[None, :] - x2 * sin[None, :]).to(out_ptr.dtype.element_ty), mask=mask)
-    tl.store(dst + HALF_ROT + offs[None, :], (x2 * cos[None, :] + x1 * sin[None, :]).to(out_ptr.dtype.element_ty),
+    # rounded to the model dtype first: an fp8 key cache then holds what the reference's bf16 key rounds to
+    x_dtype = x_ptr.dtype.element_ty
+    tl.store(dst + offs[None, :], cache_value((x1 * cos[None, :] - x2 * sin[None, :]).to(x_dtype), out_ptr),
+             mask=mask)
+    tl.store(dst + HALF_ROT + offs[None, :], cache_value((x2 * cos[None, :] + x1 * sin[None, :]).to(x_dtype), out_ptr),
              mask=mask)
     if PASS_PAD > 0:  # partial rotary: the dims past the rotary part are copied unchanged
         rest = 2 * HALF_ROT + tl.arange(0, PASS_PAD)
         rmask = (heads[:, None] < num_heads) & (rest[None, :] < HEAD_DIM)
-        tl.store(dst + rest[None, :], tl.load(src + rest[None, :], mask=rmask), mask=rmask)
+        tl.store(dst + rest[None, :], cache_value(tl.load(src + rest[None, :], mask=rmask), out_ptr), mask=rmask)
 
 
 @triton.jit
@@ -79,7 +84,7 @@ def _rope_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, positions_ptr, cache_ptr, n
             vmask = (heads[:, None] < num_k_heads) & (dims[None, :] < HEAD_DIM)
             v = tl.load(v_ptr + token * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=vmask)
             dst = v_cache_ptr + block * stride_vcb + in_block * stride_vco + heads[:, None] * stride_vch
-            tl.store(dst + dims[None, :], v.to(v_cache_ptr.dtype.element_ty), mask=vmask)
+            tl.store(dst + dims[None, :], cache_value(v, v_cache_ptr), mask=vmask)
     else:
         _rope_rows(k_ptr, k_out_ptr, token, cos, sin, num_k_heads, stride_kt, stride_kh, stride_kot, stride_koh,
                    HEAD_DIM, HALF_ROT, K_HEADS_PAD, HALF_PAD, PASS_PAD)

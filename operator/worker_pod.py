@@ -43,6 +43,7 @@ ENGINE_VALUE_FLAGS = (
     ("blockSize", "--block-size"),
     ("dtype", "--dtype"),
     ("quantization", "--quantization"),
+    ("kvCacheDtype", "--kv-cache-dtype"),
 )
 
 # A big checkpoint may take many minutes to load: the startup probe allows 30 min before liveness takes over.

@@ -177,6 +177,21 @@ def assert_fp8_near_transformers(path, prompts, outs):
     assert error <= max(16 * hf_error, 0.1), (error, hf_error)
 
 
+@pytest.mark.parametrize("quantization", [None, "fp8"])
+@pytest.mark.parametrize("enforce_eager", [False, True])
+def test_fp8_kv_cache_near_transformers(tiny_models, quantization, enforce_eager):
+    """--kv-cache-dtype fp8: keys and values in e4m3, written by RoPE's kernel and the decode launch, read by the
+    decode, prefill and mixed kernels, in graphs and eagerly; near transformers as e4m3 weights are."""
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("e4m3 needs Ada or Hopper")
+    path = tiny_models["llama"]
+    llm = LLM(str(path), dtype="bfloat16", quantization=quantization, kv_cache_dtype="fp8", max_model_len=512,
+              max_num_batched_tokens=32, max_num_seqs=8, enforce_eager=enforce_eager, gpu_memory_fraction=0.2)
+    assert llm.engine.runner.kv.data.dtype == torch.float8_e4m3fn
+    assert (llm.engine.runner.graphs is None) == enforce_eager
+    assert_fp8_near_transformers(path, PROMPTS, generate_mixed(llm))
+
+
 def test_fp8_quantised_rows_change_nothing(tiny_models):
     """FP8 prompt steps with the norms and SiLU*mul quantising for the e4m3 GEMMs (ops.Fp8Rows) give bit for
     bit the tokens and logprobs of each GEMM quantising its own input."""
@@ -249,7 +264,7 @@ def test_prompt_graphs_match_the_eager_path(tiny_models, monkeypatch, quantizati
     another algorithm at the padded row count, not for a padding row that writes K/V or a logit taken from the
     wrong row), and nothing compiles after start-up. The eager path itself is held to transformers by the tests
     above. Every kind's graphs are in the one pool the decode graphs' capture made."""
-    if quantization and torch.cuda.get_device_capability() < (8, 9):
+    if (quantization or kv_cache_dtype != "auto") and torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("fp8 needs Ada or Hopper")
     forget_compiled_kernels()
     llm = LLM(str(tiny_models["llama"]), dtype="bfloat16", quantization=quantization, max_model_len=1024,
@@ -288,7 +303,7 @@ def test_mixed_graphs_match_the_eager_path(tiny_models, monkeypatch, quantizatio
     slot frees. With logprobs (steps in turn) and without (overlapped steps, whose decodes read their last
     token from the device into the padded rows) they give the eager path's tokens and logprobs, and
     nothing compiles after start-up."""
-    if quantization and torch.cuda.get_device_capability() < (8, 9):
+    if (quantization or kv_cache_dtype != "auto") and torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("fp8 needs Ada or Hopper")
     forget_compiled_kernels()
     llm = LLM(str(tiny_models["llama"]), dtype="bfloat16", quantization=quantization, max_model_len=1024,
@@ -320,8 +335,8 @@ def test_mixed_graphs_match_the_eager_path(tiny_models, monkeypatch, quantizatio
         assert max((abs(a - b) for a, b in pairs), default=0.0) <= 0.01
 
 
-@pytest.mark.parametrize("quantization", [None, "fp8"])
-def test_no_kernel_compiles_after_start_up(tiny_models, monkeypatch, quantization):
+@pytest.mark.parametrize("quantization,kv_cache_dtype", [(None, "auto"), ("fp8", "auto"), (None, "fp8")])
+def test_no_kernel_compiles_after_start_up(tiny_models, monkeypatch, quantization, kv_cache_dtype):
     """Triton compiles a kernel variant for each class of int divisibility and pointer alignment it meets,
     and one compiled mid-run stalls every running request (100-155 ms each in an H200 serving probe: the
     argmax per batch size, RoPE at odd token counts). After start-up, odd and even token counts, prompt
@@ -329,13 +344,13 @@ def test_no_kernel_compiles_after_start_up(tiny_models, monkeypatch, quantizatio
     compile nothing."""
     from triton.runtime.jit import JITFunction
 
-    if quantization and torch.cuda.get_device_capability() < (8, 9):
+    if (quantization or kv_cache_dtype != "auto") and torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("fp8 needs Ada or Hopper")
     if not hasattr(JITFunction, "_do_compile"):
         pytest.skip("this Triton compiles elsewhere")
     forget_compiled_kernels()  # the engine's start-up alone must make every variant the workload needs
     llm = LLM(str(tiny_models["llama"]), dtype="bfloat16", quantization=quantization, max_model_len=512,
-              max_num_batched_tokens=48, max_num_seqs=16, gpu_memory_fraction=0.2)
+              max_num_batched_tokens=48, max_num_seqs=16, gpu_memory_fraction=0.2, kv_cache_dtype=kv_cache_dtype)
     compiled = record_compiles(monkeypatch)
     lengths = (7, 20, 33, 150, 301, 2, 64, 9, 1, 47, 5, 128)
     prompts = [list(range(1000 + i, 1000 + i + n)) for i, n in enumerate(lengths)]
@@ -357,7 +372,7 @@ def test_compile_workers_fill_the_cache(tiny_models, tmp_path, monkeypatch, caps
     """A cold start (empty Triton cache, nothing compiled in this process) with compile workers: they compile
     every variant the engine's start-up needs, so this process compiles none; the next start with the same
     settings finds the marker and starts no workers, and serves the same tokens."""
-    if quantization and torch.cuda.get_device_capability() < (8, 9):
+    if (quantization or kv_cache_dtype != "auto") and torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("fp8 needs Ada or Hopper")
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
     forget_compiled_kernels()

@@ -431,3 +431,79 @@ def test_fp8_skinny_gemm_8b_shapes_in_a_graph(M):
         for name, out in outs.items():
             close(out, ref.fp8_gemm(*xs[name], *ws[name], bias if name == "qkv" else None, torch.float32), BF)
     assert not arrivals.counters("cuda", 0).any()
+
+
+# ---------------------------------------------------------------- fp8 KV cache (--kv-cache-dtype fp8)
+
+FP8 = torch.float8_e4m3fn
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(32, 8, 128), (24, 4, 256)])  # Llama-3.1-8B, Qwen3.6-27B
+def test_fp8_kv_cache_writes_and_attention(heads, kv_heads, head_dim):
+    """An e4m3 cache: every writer (write_kv_cache, rope_and_write_kv, the decode launch's own write) stores what
+    torch's cast of the model-dtype value stores, bit for bit, saturated at +-448; decode, prefill and cascade
+    attention over it match the reference reading the same cache."""
+    from pagefleet.kernels import attention, cascade, kv_cache, prefill_attention, rope
+
+    T = 37
+    k, v = (torch.randn(T, kv_heads, head_dim, device="cuda", dtype=BF) * 30 for _ in range(2))
+    k[1, 0, :2] = torch.tensor([1000.0, -600.0], dtype=BF)  # token 1: slots[::5] leaves token 0 unwritten
+    slots = torch.randperm(64 * 16, device="cuda")[:T]
+    slots[::5] = -1
+    kc, vc = (torch.zeros(64, 16, kv_heads, head_dim, device="cuda", dtype=FP8) for _ in range(2))
+    kc2, vc2 = kc.clone(), vc.clone()
+    kv_cache.write_kv_cache(k, v, kc, vc, slots)
+    ref.write_kv_cache(k, v, kc2, vc2, slots)
+    assert torch.equal(kc.view(torch.uint8), kc2.view(torch.uint8)) and torch.equal(vc.view(torch.uint8),
+                                                                                    vc2.view(torch.uint8))
+    assert torch.isfinite(kc.float()).all() and kc.float().abs().max() == 448.0
+
+    # the 27B shape rotates a quarter of each head (partial_rotary_factor 0.25), the rest is copied
+    cos_sin = ref.rope_cos_sin_cache(head_dim // 4 if head_dim == 256 else head_dim, 8192, 500000.0, None,
+                                     torch.float32, "cuda")
+    q = torch.randn(T, heads, head_dim, device="cuda", dtype=BF)
+    pos = torch.randint(0, 8192, (T,), device="cuda")
+    kc3, vc3 = kc.clone(), vc.clone()
+    rope.rope_and_write_kv(q, k, v, pos, cos_sin, kc, vc, slots)
+    _, k_rot = ref.apply_rope(q, k, pos, cos_sin)
+    ref.write_kv_cache(k_rot, v, kc3, vc3, slots)
+    kf, kf3 = kc.float(), kc3.float()
+    # a rotated key may differ by one bf16 step before its cast (FMA contraction), so one e4m3 step after it
+    assert ((kf - kf3).abs() <= kf3.abs() / 8 + 2**-9).all()
+    assert torch.equal(vc.view(torch.uint8), vc3.view(torch.uint8))
+
+    lens = torch.randint(1, 3000, (24,)).tolist()
+    kc, vc, bt, sl = paged(lens, kv_heads, head_dim, 16)
+    kc, vc = kc.to(FP8), vc.to(FP8)
+    qd = torch.randn(24, heads, head_dim, device="cuda", dtype=BF)
+    for splits in (None, 1, 5):
+        out = torch.full_like(qd, float("nan"))
+        attention.paged_decode_attention(qd, kc, vc, bt, sl, out=out, num_splits=splits)
+        close(out, ref.paged_decode_attention(qd.float(), kc, vc, bt, sl), BF)
+    # the decode launch's own RoPE and write (batch below ROPE_MAX_BATCH)
+    positions = sl.long() - 1
+    wslots = torch.stack([bt[b, p // 16].long() * 16 + p % 16 for b, p in enumerate(positions)])
+    kn, vn = (torch.randn(24, kv_heads, head_dim, device="cuda", dtype=BF) for _ in range(2))
+    caches = (kc.clone(), vc.clone())
+    q_rot = rope.rope_and_write_kv(qd, kn, vn, positions, cos_sin, *caches, wslots)
+    out = torch.full_like(qd, float("nan"))
+    attention.paged_decode_attention(qd, kc, vc, bt, sl, out=out, new_kv=(kn, vn, positions, cos_sin, wslots))
+    assert torch.equal(vc.view(torch.uint8), caches[1].view(torch.uint8))
+    assert ((kc.float() - caches[0].float()).abs() <= caches[0].float().abs() / 8 + 2**-9).all()
+    close(out, ref.paged_decode_attention(q_rot.float(), kc, vc, bt, sl), BF)
+
+    q_lens, prefixes = [700, 300, 1, 1, 0], [0, 900, 40, 2000, 5]
+    kc, vc, bt, sl = paged([a + b for a, b in zip(q_lens, prefixes, strict=True)], kv_heads, head_dim, 16)
+    kc, vc = kc.to(FP8), vc.to(FP8)
+    cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    qp = torch.randn(sum(q_lens), heads, head_dim, device="cuda", dtype=BF)
+    out = torch.full_like(qp, float("nan"))
+    prefill_attention.paged_prefill_attention(qp, kc, vc, bt, sl, cu, out=out)
+    close(out, ref.paged_prefill_attention(qp.float(), kc, vc, bt, sl, cu), BF)
+    # rows 0 and 1 share their first two blocks: the cascade launch reads them once for both
+    bt[1, :2] = bt[0, :2]
+    groups = torch.tensor([[0, 2, 32]], dtype=torch.int32, device="cuda")
+    prefix_lens = torch.tensor([32, 32, 0, 0, 0], dtype=torch.int32, device="cuda")
+    qc = torch.randn(5, heads, head_dim, device="cuda", dtype=BF)
+    out = cascade.cascade_decode_attention(qc, kc, vc, bt, sl, groups, prefix_lens)
+    close(out, ref.paged_decode_attention(qc.float(), kc, vc, bt, sl), BF)

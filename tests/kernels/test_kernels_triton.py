@@ -494,3 +494,106 @@ def test_triton_gemv_strided_and_defaults():
     close(TK["gemv"].skinny_matmul(x1, w, block_n=16, block_k=64), ref.skinny_matmul(x1, w), torch.float32)
     with pytest.raises(ValueError):
         TK["gemv"].skinny_matmul(x1, w, block_n=8)  # tl.dot needs 16 rows
+
+
+# ---------------------------------------------------------------- fp8 KV cache (--kv-cache-dtype fp8)
+
+FP8 = torch.float8_e4m3fn
+
+
+def same_fp8(actual, expected):
+    """Two e4m3 caches hold the same values, to the interpreter's casts: they flush e4m3 subnormals (below 2**-6)
+    where torch rounds them, and a value that rounds up into the next power of two can lose the carry and
+    halve (0.49 -> 0.25, 7.9 -> 4). The GPU's casts are checked bit for bit in test_kernels_gpu.py."""
+    a, e = actual.float(), expected.float()
+    assert torch.isfinite(a).all()
+    differ = (a != e) & ((e.abs() >= 2**-6) | (a.abs() >= 2**-6))
+    assert ((a[differ] == e[differ] / 2) | ((a[differ] - e[differ]).abs() <= e[differ].abs() / 8)).all()
+    assert differ.float().mean() < 0.05  # the carry cases, a few in a hundred values of randn's spread
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_triton_write_kv_cache_fp8_saturates(dtype):
+    """Keys and values written to an e4m3 cache land in their slots and saturate at +-448 instead of turning into
+    NaN (a plain cast's result past e4m3's range). The values in range are e4m3 values already: the interpreter
+    rounds [7.75, 8) down to 4 (a lost carry), so the rounding itself is checked on the GPU
+    (test_kernels_gpu.py)."""
+    gen = torch.Generator().manual_seed(21)
+    k, v = ((torch.randn(5, 2, 16, generator=gen) * 40).to(FP8).float() for _ in range(2))
+    k[0, 0, :4] = torch.tensor([1000.0, -1000.0, 448.0, 460.0])
+    v[3, 1, :2] = torch.tensor([-5e4, 6e4])
+    k, v = k.to(dtype), v.to(dtype)
+    slots = torch.tensor([17, -1, 3, 40, -1])
+    caches = [torch.zeros(4, 16, 2, 16, dtype=FP8) for _ in range(2)]
+    expected = [c.clone() for c in caches]
+    TK["kv_cache"].write_kv_cache(k, v, caches[0], caches[1], slots)
+    ref.write_kv_cache(k, v, expected[0], expected[1], slots)
+    same_fp8(caches[0], expected[0])
+    same_fp8(caches[1], expected[1])
+    assert caches[0][1, 1, 0, :4].float().tolist() == [448.0, -448.0, 448.0, 448.0]
+    assert caches[1][2, 8, 1, :2].float().tolist() == [-448.0, 448.0]
+
+
+@pytest.mark.parametrize("rot", [32, 16])  # full and partial rotary (the tail is copied into the cache)
+def test_triton_rope_and_write_kv_fp8(rot):
+    gen = torch.Generator().manual_seed(22)
+    cache = ref.rope_cos_sin_cache(rot, 256, 10000.0)
+    q, k, v = (torch.randn(5, h, 32, generator=gen).half() for h in (4, 2, 2))
+    pos = torch.randint(0, 256, (5,), generator=gen)
+    slots = torch.tensor([17, -1, 3, 40, -1])
+    caches = [torch.zeros(4, 16, 2, 32, dtype=FP8) for _ in range(2)]
+    expected = [c.clone() for c in caches]
+    q_rot = TK["rope"].rope_and_write_kv(q, k, v, pos, cache, caches[0], caches[1], slots)
+    q_exp = ref.rope_and_write_kv(q, k, v, pos, cache, expected[0], expected[1], slots)
+    close(q_rot, q_exp, torch.float16)
+    same_fp8(caches[0], expected[0])
+    same_fp8(caches[1], expected[1])
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("rope", [False, True])  # True: the launch rotates and writes the new key itself
+def test_triton_decode_attention_fp8_cache(num_splits, rope):
+    """Decode attention over an e4m3 cache (q in fp16) against the reference reading the same cache."""
+    gen = torch.Generator().manual_seed(23)
+    lens = [1, 50, 16, 33]
+    k_cache, v_cache, bt, seq_lens = make_paged(lens, 2, 32, 16, FP8, gen)
+    q = torch.randn(len(lens), 8, 32, generator=gen).half()
+    new_kv = ref_kv = None
+    if rope:
+        positions = seq_lens.long() - 1
+        slots = torch.tensor([int(bt[b, (n - 1) // 16]) * 16 + (n - 1) % 16 for b, n in enumerate(lens)])
+        k, v = (torch.randn(len(lens), 2, 32, generator=gen).half() for _ in range(2))
+        cos_sin = ref.rope_cos_sin_cache(32, 64, 10000.0)
+        new_kv, ref_kv = (k, v, positions, cos_sin, slots), (k.float(), v.float(), positions, cos_sin, slots)
+    caches = (k_cache.clone(), v_cache.clone())
+    out = torch.full_like(q, float("nan"))
+    TK["attention"].paged_decode_attention(q, k_cache, v_cache, bt, seq_lens, out=out, num_splits=num_splits,
+                                           block_n=16, new_kv=new_kv)
+    ref_q = q.float()
+    if rope:
+        ref_q = ref.rope_and_write_kv(ref_q, *ref_kv[:4], *caches, ref_kv[4])
+        same_fp8(k_cache, caches[0])
+        same_fp8(v_cache, caches[1])
+    # attention over the cache the kernel wrote: the interpreter's casts are checked by same_fp8 alone
+    close(out, ref.paged_decode_attention(ref_q, k_cache, v_cache, bt, seq_lens), torch.float16)
+
+
+def test_triton_prefill_and_cascade_attention_fp8_cache():
+    gen = torch.Generator().manual_seed(24)
+    lens, q_lens = [21, 45, 6, 17], [21, 12, 1, 0]
+    k_cache, v_cache, bt, seq_lens = make_paged(lens, 2, 32, 16, FP8, gen)
+    cu = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32)
+    q = torch.randn(sum(q_lens), 8, 32, generator=gen).half()
+    out = torch.full_like(q, float("nan"))
+    TK["prefill_attention"].paged_prefill_attention(q, k_cache, v_cache, bt, seq_lens, cu, out=out, block_m=16,
+                                                    block_n=16)
+    close(out, ref.paged_prefill_attention(q.float(), k_cache, v_cache, bt, seq_lens, cu), torch.float16)
+    # rows 0 and 1 share their first block (two samples of one prompt), as the cascade launch reads it once
+    bt[1, 0] = bt[0, 0]
+    groups = torch.tensor([[0, 2, 16]], dtype=torch.int32)
+    prefix_lens = torch.tensor([16, 16, 0, 0], dtype=torch.int32)
+    lens = torch.tensor([21, 45, 6, 17], dtype=torch.int32)
+    q = torch.randn(4, 8, 32, generator=gen).half()
+    out = torch.full_like(q, float("nan"))
+    TK["cascade"].cascade_decode_attention(q, k_cache, v_cache, bt, lens, groups, prefix_lens, out=out, block_n=16)
+    close(out, ref.paged_decode_attention(q.float(), k_cache, v_cache, bt, lens), torch.float16)

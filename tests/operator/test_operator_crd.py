@@ -69,8 +69,8 @@ def test_spec_fields_and_rules():
     assert cache_path["x-kubernetes-validations"][0]["rule"] == "self.startsWith('/')"
     engine = spec["properties"]["engine"]["properties"]
     assert set(engine) == {"gpuMemoryFraction", "maxModelLen", "maxNumSeqs", "maxNumBatchedTokens", "blockSize",
-                           "enablePrefixCaching", "enforceEager", "dtype", "quantization", "extraArgs",
-                           "tensorParallelSize"}
+                           "enablePrefixCaching", "enforceEager", "dtype", "quantization", "kvCacheDtype",
+                           "extraArgs", "tensorParallelSize"}
     fraction = engine["gpuMemoryFraction"]
     assert (fraction["minimum"], fraction["exclusiveMinimum"], fraction["maximum"]) == (0, True, 1)
     autoscaling = spec["properties"]["autoscaling"]

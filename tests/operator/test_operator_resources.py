@@ -81,7 +81,7 @@ def test_engine_fields_become_worker_flags():
     engine = {
         "gpuMemoryFraction": 0.35, "maxModelLen": 4096, "maxNumSeqs": 64, "maxNumBatchedTokens": 8192,
         "blockSize": 32, "enablePrefixCaching": False, "enforceEager": True, "dtype": "bfloat16",
-        "quantization": "fp8", "extraArgs": ["--max-queue", "512"],
+        "quantization": "fp8", "kvCacheDtype": "fp8", "extraArgs": ["--max-queue", "512"],
     }
     args = container(resources.deployment(inference_service(engine=engine)))["args"]
     assert args[:8] == ["--model", "/mnt/nvme/models/smollm2", "--served-model-name", "smollm2",
@@ -93,6 +93,7 @@ def test_engine_fields_become_worker_flags():
     assert flag(args, "--block-size") == "32"
     assert flag(args, "--dtype") == "bfloat16"
     assert flag(args, "--quantization") == "fp8"
+    assert flag(args, "--kv-cache-dtype") == "fp8"
     assert "--no-enable-prefix-caching" in args and "--enable-prefix-caching" not in args
     assert "--enforce-eager" in args
     assert flag(args, worker_pod.DRAIN_FLAG) == "45"
@@ -102,7 +103,7 @@ def test_engine_fields_become_worker_flags():
 def test_unset_engine_fields_keep_worker_defaults():
     args = container(resources.deployment(inference_service()))["args"]
     for absent in ("--gpu-memory-fraction", "--max-num-seqs", "--enforce-eager", "--enable-prefix-caching",
-                   "--no-enable-prefix-caching", "--dtype", "--quantization"):
+                   "--no-enable-prefix-caching", "--dtype", "--quantization", "--kv-cache-dtype"):
         assert absent not in args
     args = container(resources.deployment(inference_service(engine={"enablePrefixCaching": True,
                                                                     "enforceEager": False})))["args"]

@@ -45,6 +45,18 @@ def test_level1_sleep_and_wake_keep_greedy_tokens(engines):
     assert not llm.is_sleeping and tokens(llm) == before
 
 
+def test_level1_sleep_and_wake_with_an_fp8_kv_cache(smollm2_path):
+    """--kv-cache-dtype fp8 beside a trainer: the e4m3 cache lives in the KV region, is handed back and zeroed on
+    waking like any other, and the greedy tokens after the wake are those before the sleep."""
+    llm = LLM(str(smollm2_path), max_model_len=256, max_num_seqs=4, enable_sleep_mode=True, kv_cache_dtype="fp8")
+    assert llm.engine.runner.kv.data.dtype == torch.float8_e4m3fn
+    before = tokens(llm)
+    llm.sleep(1)
+    llm.wake_up()
+    assert not llm.engine.runner.kv.data.view(torch.uint8).any()  # woken zeroed, before a token is written
+    assert tokens(llm) == before
+
+
 def test_level2_wake_and_update_restore_folded_norms(tiny_models):
     """Level 2 zeroes every parameter, the folded norms (1 since fold_norms, which bring-up runs on the GPU) too;
     the update that brings the weights back sets them to 1 again, so the greedy tokens are those before the sleep."""

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 MAMBA_SSM_DTYPES = ("auto", "float32", "bfloat16", "float16")
+# the paged KV cache's storage, vLLM's --kv-cache-dtype: auto is the model dtype; fp8 (= fp8_e4m3) halves its bytes
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 
 
 def batch_defaults(hopper: bool, serving: bool) -> tuple[int, int]:
@@ -31,6 +33,7 @@ class EngineConfig:
     kv_cache_memory_bytes: int | None = None  # explicit KV budget; the default on CPU is 1 GiB
     num_gpu_blocks_override: int | None = None  # force the number of KV blocks (tests, benchmarks)
     quantization: str | None = None  # None or "fp8" (Hopper)
+    kv_cache_dtype: str = "auto"  # KV_CACHE_DTYPES; fp8 halves each block, so twice the tokens fit the same budget
     # storage of a hybrid model's recurrent (Gated DeltaNet) state, vLLM's --mamba-ssm-cache-dtype: auto is the
     # checkpoint's mamba_ssm_dtype where its config names one, else the model dtype; the maths is fp32 either way
     mamba_ssm_cache_dtype: str = "auto"
@@ -76,6 +79,10 @@ class EngineConfig:
         need(self.num_gpu_blocks_override is None or self.num_gpu_blocks_override > 0,
              "num_gpu_blocks_override must be > 0")
         need(self.quantization in (None, "fp8"), f"quantization must be fp8 or unset, got {self.quantization!r}")
+        need(self.kv_cache_dtype in KV_CACHE_DTYPES,
+             f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}"
+             + (" (e5m2 is not supported: e4m3 keeps a bit more precision in the same byte)"
+                if self.kv_cache_dtype == "fp8_e5m2" else ""))
         need(self.mamba_ssm_cache_dtype in MAMBA_SSM_DTYPES,
              f"mamba_ssm_cache_dtype must be one of {', '.join(MAMBA_SSM_DTYPES)}, got {self.mamba_ssm_cache_dtype!r}")
         need(self.max_loras > 0 and self.max_lora_rank > 0, "max_loras and max_lora_rank must be > 0")

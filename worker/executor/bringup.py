@@ -41,6 +41,17 @@ def resolve_dtype(name: str, model_dtype: str, device: torch.device) -> torch.dt
     return _DTYPES.get(model_dtype, torch.bfloat16) if model_dtype != "float32" else torch.bfloat16
 
 
+def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The paged KV cache's dtype for --kv-cache-dtype. fp8 is e4m3 at scale 1.0 (vLLM's default where a checkpoint
+    brings no k_scale / v_scale): keys and values past +-448 saturate."""
+    if name == "auto":
+        return model_dtype
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        raise ValueError(f"--kv-cache-dtype {name} needs a GPU with e4m3 conversions (compute capability 8.9 or "
+                         f"newer: Ada, Hopper); this one is {torch.cuda.get_device_name(device)}")
+    return torch.float8_e4m3fn
+
+
 def use_device(config: EngineConfig, device: torch.device) -> None:
     """Seed the random weights, make the device current (or size the CPU thread pool), pick the kernels."""
     torch.manual_seed(config.seed)
@@ -107,8 +118,13 @@ def bring_up(runner, model_path, compile_workers=None, compile_share: tuple[int,
         profile_peak_bytes(runner, config)  # a worker's blocks are fixed, but this step's kernels are the engine's
     shard = parallel.shard_config(runner.model_config, parallel.get_tensor_parallel().size)  # this rank's KV heads
     num_blocks = parallel.agree_min(size_kv_cache(runner, config, shard))  # every rank holds the same blocks
-    runner.kv = KVCache(shard, num_blocks, runner.block_size, runner.dtype, device,
+    runner.kv = KVCache(shard, num_blocks, runner.block_size, runner.kv_dtype, device,
                         len(runner.model.attention_layers()))
+    if compile_share is None:  # the engine's own line, not a compile worker's
+        scale = " at scale 1.0 (values past +-448 saturate)" if runner.kv_dtype == torch.float8_e4m3fn else ""
+        print(f"pagefleet: KV cache: {num_blocks * runner.block_size:,} tokens in {num_blocks:,} blocks "
+              f"({runner.kv.data.nbytes / 2**30:.2f} GiB, {str(runner.kv_dtype).removeprefix('torch.')}{scale})",
+              flush=True)
     if runner.sleep_mode is not None:  # the KV cache moves into its region: freed first, so the peak is one cache
         shape, dtype = runner.kv.data.shape, runner.kv.data.dtype
         runner.kv.data = None

@@ -32,4 +32,5 @@ class KVCache:
         """Copy-on-write: duplicate whole blocks (every layer, K and V) before the step writes into them."""
         src = torch.tensor([s for s, _ in copies], device=self.data.device)
         dst = torch.tensor([d for _, d in copies], device=self.data.device)
-        self.data[:, :, dst] = self.data[:, :, src]
+        data = self.data.view(torch.uint8)  # bytes: an fp8 cache's blocks copy like any other's
+        data[:, :, dst] = data[:, :, src]

@@ -61,7 +61,7 @@ def size_kv_cache(runner, config, mc: ModelConfig) -> int:
     """Number of KV blocks: forced, from the CPU byte budget, or what the GPU fraction leaves after profiling
     and what is allocated after it: the CUDA graphs and the sampler's penalty slots. mc: this rank's model
     config (its share of the KV heads)."""
-    per_block = block_bytes(mc, config.block_size, runner.dtype, len(runner.model.attention_layers()))
+    per_block = block_bytes(mc, config.block_size, runner.kv_dtype, len(runner.model.attention_layers()))
     per_seq_blocks = runner.max_blocks_per_seq
     state_bytes = runner.state.nbytes if runner.state is not None else 0
     if config.num_gpu_blocks_override:

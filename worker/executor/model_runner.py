@@ -18,7 +18,7 @@ from pagefleet.worker.core.config import EngineConfig
 from pagefleet.worker.core.outputs import TokenLogprobs
 from pagefleet.worker.core.scheduler import ScheduledBatch
 from pagefleet.worker.core.sequence import Sequence
-from pagefleet.worker.executor.bringup import bring_up, resolve_device, resolve_dtype
+from pagefleet.worker.executor.bringup import bring_up, resolve_device, resolve_dtype, resolve_kv_cache_dtype
 from pagefleet.worker.executor.graphs.decode import DecodeGraphs
 from pagefleet.worker.executor.graphs.manager import CUDAGraphs
 from pagefleet.worker.executor.graphs.mixed import MixedGraphs
@@ -86,6 +86,7 @@ class ModelRunner:
         self.model_config = model_config
         self.max_model_len = max_model_len
         self.dtype = resolve_dtype(config.dtype, model_config.dtype, self.device)
+        self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.device)
         self.block_size = config.block_size
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
         self.cuda_graphs = CUDAGraphs()  # no kind captured: every step eager (--enforce-eager, CPU)

@@ -75,8 +75,8 @@ def warm_marker(config: EngineConfig, model_config: ModelConfig, max_model_len: 
             h.update(f.read_bytes())
     shape = dataclasses.asdict(model_config) | {"num_hidden_layers": 0, "eos_token_ids": []}
     settings = {k: getattr(config, k) for k in ("dtype", "max_num_seqs", "max_num_batched_tokens", "block_size",
-                                                 "enforce_eager", "quantization", "enable_lora", "max_loras",
-                                                 "max_lora_rank")}
+                                                 "enforce_eager", "quantization", "kv_cache_dtype", "enable_lora",
+                                                 "max_loras", "max_lora_rank")}
     h.update(json.dumps([shape, settings, max_model_len, _version("torch"), _version("triton"), _gpu_models()],
                         sort_keys=True, default=str).encode())
     return cache_dir() / "pagefleet" / f"warm-{h.hexdigest()[:24]}"
