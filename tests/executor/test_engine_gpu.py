@@ -264,7 +264,7 @@ def test_prompt_graphs_match_the_eager_path(tiny_models, monkeypatch, quantizati
     another algorithm at the padded row count, not for a padding row that writes K/V or a logit taken from the
     wrong row), and nothing compiles after start-up. The eager path itself is held to transformers by the tests
     above. Every kind's graphs are in the one pool the decode graphs' capture made."""
-    if (quantization or kv_cache_dtype != "auto") and torch.cuda.get_device_capability() < (8, 9):
+    if quantization and torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("fp8 needs Ada or Hopper")
     forget_compiled_kernels()
     llm = LLM(str(tiny_models["llama"]), dtype="bfloat16", quantization=quantization, max_model_len=1024,
@@ -303,7 +303,7 @@ def test_mixed_graphs_match_the_eager_path(tiny_models, monkeypatch, quantizatio
     slot frees. With logprobs (steps in turn) and without (overlapped steps, whose decodes read their last
     token from the device into the padded rows) they give the eager path's tokens and logprobs, and
     nothing compiles after start-up."""
-    if (quantization or kv_cache_dtype != "auto") and torch.cuda.get_device_capability() < (8, 9):
+    if quantization and torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("fp8 needs Ada or Hopper")
     forget_compiled_kernels()
     llm = LLM(str(tiny_models["llama"]), dtype="bfloat16", quantization=quantization, max_model_len=1024,
@@ -372,7 +372,7 @@ def test_compile_workers_fill_the_cache(tiny_models, tmp_path, monkeypatch, caps
     """A cold start (empty Triton cache, nothing compiled in this process) with compile workers: they compile
     every variant the engine's start-up needs, so this process compiles none; the next start with the same
     settings finds the marker and starts no workers, and serves the same tokens."""
-    if (quantization or kv_cache_dtype != "auto") and torch.cuda.get_device_capability() < (8, 9):
+    if quantization and torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("fp8 needs Ada or Hopper")
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
     forget_compiled_kernels()

@@ -79,6 +79,18 @@ def test_seeded_samples_of_one_request_equal_their_n1_twins(checkpoints):
         llm.shutdown()
 
 
+def test_two_ranks_with_an_fp8_kv_cache_give_the_tokens_of_one(checkpoints):
+    """--kv-cache-dtype fp8: each rank keeps its KV heads' share in e4m3, as one rank keeps all of them."""
+    path = checkpoints["llama"]
+    want = tokens(engine(path, 1, kv_cache_dtype="fp8"))
+    llm = engine(path, 2, kv_cache_dtype="fp8")
+    try:
+        assert llm.engine.runner.kv.data.dtype == torch.float8_e4m3fn
+        assert tokens(llm) == want
+    finally:
+        llm.shutdown()
+
+
 def test_prompt_logprobs_of_two_ranks_are_those_of_one(checkpoints):
     """Every rank scores the prompt (the vocabulary's shards are gathered), rank 0 reports it."""
     params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, prompt_logprobs=2)
