@@ -13,7 +13,7 @@ from triton.language.extra import cuda as tl_cuda
 
 from . import pdl
 from .arrivals import counters
-from .kv_cache import cache_value
+from .kv_cache import cache_value, dot_operand
 from .rope import rope_and_write_kv, rotate_tile
 
 LOG2E = 1.4426950408889634
@@ -133,6 +133,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_p
         tl.debug_barrier()  # this block's threads read the new key and value only after they are stored
     if UPCAST:
         q = q.to(tl.float32)
+    q = dot_operand(q, k_cache_ptr)  # fp16 over an e4m3 cache
 
     acc = tl.full([GROUP_PAD, HEAD_DIM_PAD], 0.0, dtype=tl.float32)
     m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
@@ -214,7 +215,7 @@ def _decode_reduce_kernel(part_acc_ptr, part_ml_ptr, out_ptr, num_splits, num_he
                   1, HEAD_DIM, HEAD_DIM_PAD, 2, SPLITS_PAD)
 
 
-def decode_config(num_seqs, num_kv_heads):
+def decode_config(num_seqs, num_kv_heads, fp8_cache=False):
     """(num_splits, block_n, num_warps) for a decode batch, from its size alone (so a CUDA graph captured
     for a batch size is right at every context).
 
@@ -224,12 +225,15 @@ def decode_config(num_seqs, num_kv_heads):
     batch 8 to 32 (batch 32 at 1k: 38.7 us against 44.1); from batch 64 the 64-key tile measured best
     (docs/benchmarks-kernels.md). 4 warps everywhere: the split 128-key tiles had 8 until a same-process
     A/B in the engine (decode step at batch 8 / 16, context 640: 4.629 / 4.839 -> 4.583 / 4.809 ms).
+    An e4m3 cache (fp8_cache) takes 128-key tiles from batch 8 up: the same bytes as 64 bf16 keys. H100, one layer
+    at batch 64, context 640: 60.2 us at 64 keys, 52.7 at 128, against bf16's 60.2 (the same-run sweep in
+    docs/benchmarks.md, "An fp8 KV cache").
     """
     programs = num_seqs * num_kv_heads
     num_splits = 1
     while num_splits < 16 and programs * num_splits * 2 <= 256:
         num_splits *= 2
-    return num_splits, 128 if 8 <= num_seqs < 64 else 64, 4
+    return num_splits, 128 if 8 <= num_seqs and (fp8_cache or num_seqs < 64) else 64, 4
 
 
 # RoPE inside the decode launch, H200, 8B shape, same process, decode step at context 640 (ms): batch 1 / 8 / 16 / 32
@@ -266,7 +270,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale=No
     if rope_first:
         k_new, v_new, positions, cos_sin, slots = new_kv
         q, new_kv = rope_and_write_kv(q, k_new, v_new, positions, cos_sin, k_cache, v_cache, slots), None
-    auto_splits, auto_block_n, auto_warps = decode_config(B, Hkv)
+    auto_splits, auto_block_n, auto_warps = decode_config(B, Hkv, k_cache.element_size() == 1)
     num_splits = 1 if prefix is not None else num_splits or auto_splits
     assert prefix is None or new_kv is None, "the shared-prefix launch needs q rotated already"
     block_n = block_n or (auto_block_n if D <= 128 else 32)

@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from .attention import LOG2E, _attend_tile, paged_decode_attention
+from .kv_cache import dot_operand
 
 GROUP_ROWS = 64  # M rows of the shared-prefix dot: samples of a group x query heads of a KV head
 
@@ -53,6 +54,7 @@ def _prefix_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, groups_ptr
                     mask=valid[:, None] & d_mask[None, :], other=0.0)
         if UPCAST:
             q = q.to(tl.float32)
+        q = dot_operand(q, k_cache_ptr)  # fp16 over an e4m3 cache
         acc = tl.full([SAMPLES * GROUP_PAD, HEAD_DIM_PAD], 0.0, dtype=tl.float32)
         m_i = tl.full([SAMPLES * GROUP_PAD], float("-inf"), dtype=tl.float32)
         l_i = tl.full([SAMPLES * GROUP_PAD], 0.0, dtype=tl.float32)

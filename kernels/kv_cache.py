@@ -39,6 +39,16 @@ def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
              cache_value(v, v_cache_ptr), mask=mask)
 
 
+@triton.jit
+def dot_operand(q, cache_ptr):
+    """q in the type the attention dots take over the cache at cache_ptr: fp16 over an e4m3 cache, whose tiles then
+    widen in one instruction a pair (e4m3 -> bf16 takes several on Hopper); fp32 (the interpreter's) stays."""
+    if cache_ptr.dtype.element_ty == tl.float8e4nv:
+        if q.dtype != tl.float32:
+            q = q.to(tl.float16)
+    return q
+
+
 def write_kv_cache(k, v, k_cache, v_cache, slot_mapping):
     """k, v [T, Hkv, D] (views of a fused qkv are fine) -> k_cache / v_cache [blocks, block_size, Hkv, D], in place."""
     T, Hkv, D = k.shape

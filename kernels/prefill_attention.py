@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from .attention import LOG2E, _attend_tile
+from .kv_cache import dot_operand
 
 
 @triton.jit
@@ -60,6 +61,7 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_
     q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :], mask=row_mask[:, None] & d_mask[None, :], other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
+    q = dot_operand(q, k_cache_ptr)  # fp16 over an e4m3 cache
 
     acc = tl.full([BLOCK_M, HEAD_DIM_PAD], 0.0, dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
