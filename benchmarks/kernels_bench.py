@@ -2,6 +2,7 @@
 
   python3 benchmarks/kernels_bench.py OUT_DIR            # on the H200: checks, ceilings, sweeps, table
   TRITON_INTERPRET=1 python3 benchmarks/kernels_bench.py OUT_DIR --dry-run   # CPU: tiny shapes, exercises the code
+  --kv-cache-dtype fp8: the decode section reads an e4m3 cache (the engine's --kv-cache-dtype fp8), with its defaults
 
 Decode attention is reported as bytes of K/V read / time / measured device copy bandwidth; prefill
 attention as causal TFLOP/s / measured bf16 matmul TFLOP/s. Writes OUT_DIR/kernels.md (the table) and
@@ -33,6 +34,7 @@ p = argparse.ArgumentParser()
 p.add_argument("out_dir", nargs="?", default=os.environ.get("OUT"), help="gets kernels.md and kernels_sweep.json")
 p.add_argument("--dry-run", action="store_true", help="CPU under TRITON_INTERPRET=1, tiny shapes")
 p.add_argument("--no-sweep", action="store_true", help="time the default heuristics only")
+p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"], help="the decode section's cache")
 args = p.parse_args()
 DRY = args.dry_run
 DEV = "cpu" if DRY else "cuda"
@@ -40,6 +42,7 @@ DT = torch.float32 if DRY else torch.bfloat16  # the interpreter mishandles bf16
 if not args.out_dir:
     p.error("give OUT_DIR (or set $OUT): the results are written there")
 OUT = args.out_dir
+KV_DT = torch.float8_e4m3fn if args.kv_cache_dtype == "fp8" else DT
 H, HKV, D = (8, 2, 32) if DRY else (32, 8, 128)  # Llama-3.1-8B attention shape
 HIDDEN, INTER = (64, 96) if DRY else (4096, 14336)
 results = {"checks": [], "decode": [], "prefill": [], "small": [], "ceilings": {}}
@@ -225,8 +228,8 @@ def decode():
     block_size = 16
     nb_max = max(batches) * max(ctxs) // block_size
     # One cache for every shape; each shape takes its blocks from a random permutation.
-    kc = torch.randn(nb_max, block_size, HKV, D, device=DEV).to(DT)
-    vc = torch.randn(nb_max, block_size, HKV, D, device=DEV).to(DT)
+    kc = torch.randn(nb_max, block_size, HKV, D, device=DEV).to(KV_DT)
+    vc = torch.randn(nb_max, block_size, HKV, D, device=DEV).to(KV_DT)
     small_batches = [(1, 128)] if DRY else [(1, 8192), (8, 8192), (32, 4096)]  # where split-KV (flash-decoding) matters
     shapes = [(B, ctx) for B in batches for ctx in ctxs] + small_batches
     for B, ctx in shapes:
@@ -238,7 +241,7 @@ def decode():
             out = torch.empty_like(q)
             kv_bytes = 2 * B * ctx * HKV * D * kc.element_size()
             default_ms = bench(partial(A.paged_decode_attention, q, kc, vc, bt, sl, max_seq_len=ctx, out=out))
-            auto = A.decode_config(B, HKV)[0]
+            auto = A.decode_config(B, HKV, kc.element_size() == 1)[0]
             best = (default_ms, "auto", auto)
             configs = [] if args.no_sweep else [(16, 4, 2)] if DRY else DECODE_CONFIGS
             split_choices = (1, 2, 4, 8)
@@ -438,7 +441,8 @@ def table():
     lines = [f"Device: {torch.cuda.get_device_name() if not DRY else 'CPU (dry run)'}; torch {torch.__version__}; "
              f"measured copy {c.get('copy_TBps', 0):.2f} TB/s (read+write), bf16 matmul "
              f"{c.get('matmul_TFLOPs', 0):.0f} TFLOP/s.", "",
-             f"Decode attention (H={H}, Hkv={HKV}, D={D}, block 16, bf16), K/V bytes / time / copy bandwidth:", "",
+             f"Decode attention (H={H}, Hkv={HKV}, D={D}, block 16, {str(KV_DT).removeprefix('torch.')} cache), "
+             "K/V bytes / time / copy bandwidth:", "",
              "| batch | context | K/V MB | default µs | default % | splits | best µs | best % | best config |",
              "|---|---|---|---|---|---|---|---|---|"]
     for d in results["decode"]:

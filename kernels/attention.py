@@ -226,8 +226,8 @@ def decode_config(num_seqs, num_kv_heads, fp8_cache=False):
     (docs/benchmarks-kernels.md). 4 warps everywhere: the split 128-key tiles had 8 until a same-process
     A/B in the engine (decode step at batch 8 / 16, context 640: 4.629 / 4.839 -> 4.583 / 4.809 ms).
     An e4m3 cache (fp8_cache) takes 128-key tiles from batch 8 up: the same bytes as 64 bf16 keys. H100, one layer
-    at batch 64, context 640: 60.2 us at 64 keys, 52.7 at 128, against bf16's 60.2 (the same-run sweep in
-    docs/benchmarks.md, "An fp8 KV cache").
+    at batch 64, context 640: 50.0 us at 64 keys, 40.9 at 128, against a bf16 cache's 58.5 (docs/benchmarks.md,
+    "An fp8 KV cache").
     """
     programs = num_seqs * num_kv_heads
     num_splits = 1
