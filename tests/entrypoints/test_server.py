@@ -266,6 +266,11 @@ async def test_64_concurrent_streams_are_batched(server):
                  "vllm:time_to_first_token_seconds_count", "vllm:inter_token_latency_seconds_count",
                  "vllm:e2e_request_latency_seconds_count"):
         assert name in before, name
+    # the KV cache's settings as vLLM labels them (the bundled model serves with the default cache dtype)
+    info_name = "vllm:cache_config_info"
+    info = [json.loads(k.removeprefix(info_name)) for k in before if k.startswith(info_name)]
+    assert len(info) == 1 and info[0]["cache_dtype"] == "auto" and info[0]["block_size"] == "16"
+    assert int(info[0]["num_gpu_blocks"]) > 0 and before[info_name + json.dumps(info[0], sort_keys=True)] == 1
     client = server.aclient()
     seen = {"running": 0.0, "kv": 0.0}
     done = asyncio.Event()

@@ -257,7 +257,7 @@ def child_main() -> None:
         "tokenizer": engine.tokenizer, "model_name": engine.model_name, "max_model_len": engine.max_model_len,
         "max_num_seqs": engine.max_num_seqs, "block_size": core.block_manager.block_size,
         "num_blocks": core.block_manager.num_blocks, "vocab_size": getattr(model_config, "vocab_size", None),
-        "architecture": getattr(model_config, "architecture", None),
+        "architecture": getattr(model_config, "architecture", None), "kv_cache_dtype": core.config.kv_cache_dtype,
         "steps_maxlen": core.recent_steps.maxlen,
     }
     loop = asyncio.new_event_loop()  # where the RPCs' coroutines (AsyncLLMEngine's own methods) run
@@ -381,6 +381,7 @@ class EngineProcess:
         self.num_blocks = facts["num_blocks"]
         self.vocab_size = facts["vocab_size"]
         self.architecture = facts["architecture"]
+        self.kv_cache_dtype = facts["kv_cache_dtype"]
         self._steps: collections.deque[StepRecord] = collections.deque(maxlen=facts["steps_maxlen"])
         self._probes = probes
         self._take_steps(probes)

@@ -56,15 +56,15 @@ OPEN_PATHS = PROBE_PATHS + ("/openapi.json", "/docs", "/docs/oauth2-redirect", "
 _TYPE_TAG = re.compile(r"^(str|int|float|bool|none|[a-z-]+\[.*\])$")
 
 
-def _engine_facts(engine) -> tuple[int, int, int | None, str | None]:
-    """(KV block size, KV blocks, model vocab size, architecture): an EngineProcess carries them itself, an
-    AsyncLLMEngine wraps the LLMEngine that knows them."""
+def _engine_facts(engine) -> tuple[int, int, str, int | None, str | None]:
+    """(KV block size, KV blocks, KV cache dtype flag, model vocab size, architecture): an EngineProcess carries them
+    itself, an AsyncLLMEngine wraps the LLMEngine that knows them."""
     if hasattr(engine, "block_size"):
-        return engine.block_size, engine.num_blocks, engine.vocab_size, engine.architecture
+        return engine.block_size, engine.num_blocks, engine.kv_cache_dtype, engine.vocab_size, engine.architecture
     core = getattr(engine, "engine", engine)
     model_config = getattr(core, "model_config", None)
-    return (core.block_manager.block_size, core.block_manager.num_blocks, getattr(model_config, "vocab_size", None),
-            getattr(model_config, "architecture", None))
+    return (core.block_manager.block_size, core.block_manager.num_blocks, core.config.kv_cache_dtype,
+            getattr(model_config, "vocab_size", None), getattr(model_config, "architecture", None))
 
 
 class ServerState:
@@ -87,9 +87,10 @@ class ServerState:
         self.prompts = AsyncTokenizer(self.tokenizer)  # request prompts, encoded off the event loop
         self.max_model_len = engine.max_model_len
         self.max_num_seqs = engine.load()["max_num_seqs"]
-        block_size, num_blocks, model_vocab, architecture = _engine_facts(engine)
+        block_size, num_blocks, kv_cache_dtype, model_vocab, architecture = _engine_facts(engine)
         # On /load: the gateway's prefix index cuts prompts into this block size and bounds its LRU by these blocks.
         self.kv_blocks = {"block_size": block_size, "num_blocks": num_blocks}
+        self.metrics.cache_config(block_size, num_blocks, kv_cache_dtype)
         self.vocab_size = min(len(self.tokenizer), model_vocab or len(self.tokenizer))
         self._token_text: dict[int, str] = {}
         # Tools: the format parser (--tool-call-parser, else the model family's), and whether "auto" is served.

@@ -14,6 +14,7 @@ from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
     Counter,
+    Gauge,
     Histogram,
     disable_created_metrics,
     generate_latest,
@@ -93,6 +94,14 @@ class ServerMetrics:
         self._rejected = Counter("pagefleet:requests_rejected", "Requests refused before reaching the engine.",
                                  labelnames=["model_name", "reason"], registry=self.registry)
         self.model_name = model_name
+
+    def cache_config(self, block_size: int, num_gpu_blocks: int, cache_dtype: str) -> None:
+        """vLLM's vllm:cache_config_info: the KV cache's settings as labels of a gauge at 1, which capacity
+        dashboards read (num_gpu_blocks x block_size tokens, in cache_dtype: auto or fp8)."""
+        info = {"model_name": self.model_name, "block_size": str(block_size), "num_gpu_blocks": str(num_gpu_blocks),
+                "cache_dtype": cache_dtype}
+        Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig", labelnames=list(info),
+              registry=self.registry).labels(**info).set(1)
 
     def request_finished(self, finish_reason: str | None) -> None:
         self._success.labels(self.model_name, finish_reason or "abort").inc()
