@@ -407,7 +407,7 @@ REFUSED = [  # (path, fields that change what is generated and that the server d
     ("/v1/completions", {"use_beam_search": True}),
     ("/v1/completions", {"allowed_token_ids": []}),
     ("/v1/completions", {"allowed_token_ids": [1, 10**7]}),
-    ("/v1/completions", {"bad_words": ["x"]}),
+    ("/v1/completions", {"bad_words": ["  "]}),
     ("/v1/completions", {"prompt_logprobs": 21}),
     ("/v1/completions", {"chat_template_kwargs": {"enable_thinking": False}}),  # chat's fields, not completions'
     ("/v1/completions", {"continue_final_message": True}),
@@ -491,6 +491,24 @@ def test_allowed_token_ids_are_honoured(server, llm, tokenizer):
     words = {tokenizer.decode([t]) for t in allowed}
     for choice in r.choices:
         assert len(choice.logprobs.content) == 8 and {t.token for t in choice.logprobs.content} <= words
+
+
+def test_bad_words_are_honoured(server, llm):
+    """vLLM's bad_words: the offline engine's answer with the same words, on completions and chat alike."""
+    client = server.client()
+    prompt, words = "The capital of France is", ["Paris", "is a"]
+    free = llm.generate([prompt], greedy(8))[0].outputs[0]
+    want = llm.generate([prompt], greedy(8, bad_words=words, ignore_eos=True))[0].outputs[0]
+    assert "Paris" in free.text and "Paris" not in want.text
+    r = client.completions.create(model="smol", prompt=prompt, max_tokens=8, temperature=0,
+                                  extra_body={"ignore_eos": True, "bad_words": words})
+    assert r.choices[0].text == want.text
+    # one-token words (bare and after a space), checked token by token in the sampled chat choices
+    r = client.chat.completions.create(model="smol", messages=[{"role": "user", "content": "Name a big city."}],
+                                       max_tokens=12, temperature=1.0, n=3, seed=1, logprobs=True,
+                                       extra_body={"ignore_eos": True, "bad_words": ["Paris", "London"]})
+    for choice in r.choices:
+        assert not {t.token.strip() for t in choice.logprobs.content} & {"Paris", "London"}, choice.message.content
 
 
 def test_api_key(server):

@@ -6,6 +6,7 @@ import json as _json
 from dataclasses import dataclass, field
 
 GREEDY_EPS = 1e-5  # temperatures below this sample greedily
+MAX_BAD_WORDS = 128  # vLLM sets no bound; each word is checked against the output every step
 MAX_LOGIT_BIAS = 300  # entries per request, as OpenAI allows
 STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 
@@ -93,6 +94,20 @@ class StructuredOutputsParams:
         return self.kind, self.spec
 
 
+def bad_words_token_ids(tokenizer, words: list[str]) -> list[list[int]]:
+    """vLLM's rule (SamplingParams.update_from_tokenizer): each word's tokens as it starts a text, and as it follows a
+    space where that is a different word of as many tokens; the sampler bans a sequence's last token wherever the
+    output ends with the tokens before it."""
+    out: list[list[int]] = []
+    for word in words:
+        bare = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        out.append(bare)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        if spaced and spaced[0] != bare[0] and len(spaced) == len(bare):
+            out.append(spaced)
+    return out
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -117,6 +132,10 @@ class SamplingParams:
     include_stop_str_in_output: bool = False  # a stop string that ends the output stays in its text (vLLM's field)
     detokenize: bool = True  # False: token ids only (benchmarks); stop strings then need it on
     structured: StructuredOutputsParams | None = None  # output constrained by a grammar (json, regex, choice...)
+    # vLLM's bad_words: none of these words is generated, at the output's start or after a space; the engine
+    # fills bad_words_token_ids from them with the model's tokenizer (bad_words_token_ids below)
+    bad_words: list[str] | None = None
+    bad_words_token_ids: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -125,6 +144,7 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.logit_bias = dict(self.logit_bias) if self.logit_bias else None
         self.allowed_token_ids = list(self.allowed_token_ids) if self.allowed_token_ids is not None else None
+        self.bad_words = list(self.bad_words) if self.bad_words else None
 
     @property
     def greedy(self) -> bool:
@@ -176,6 +196,11 @@ class SamplingParams:
         need(allowed is None or (len(allowed) > 0 and all(
             isinstance(t, int) and t >= 0 and (vocab_size is None or t < vocab_size) for t in allowed)),
              "allowed_token_ids", "must be a non-empty list of token ids" + in_vocab)
+        words = self.bad_words or []
+        need(all(isinstance(w, str) and w.strip() for w in words), "bad_words", "must be non-blank strings")
+        need(len(words) <= MAX_BAD_WORDS, "bad_words", f"allows at most {MAX_BAD_WORDS} words, got {len(words)}")
+        need(all(ids and all(isinstance(t, int) and 0 <= t and (vocab_size is None or t < vocab_size) for t in ids)
+                 for ids in self.bad_words_token_ids or []), "bad_words", "must encode to token ids" + in_vocab)
         need(self.structured is None or isinstance(self.structured, StructuredOutputsParams), "structured",
              f"must be StructuredOutputsParams, got {type(self.structured).__name__}")
         return self

@@ -12,7 +12,7 @@ from pagefleet.worker.core.block_manager import BlockManager
 from pagefleet.worker.core.config import EngineConfig
 from pagefleet.worker.core.detokenizer import text_decoder, visible_text
 from pagefleet.worker.core.outputs import CompletionOutput, RequestOutput
-from pagefleet.worker.core.sampling_params import SamplingParams
+from pagefleet.worker.core.sampling_params import SamplingParams, bad_words_token_ids
 from pagefleet.worker.core.scheduler import Scheduler
 from pagefleet.worker.core.sequence import Sequence
 from pagefleet.worker.core.state_slots import StateSlots
@@ -111,6 +111,9 @@ class LLMEngine(WeightUpdates):
         """Raise ValueError for a request the engine cannot serve (callable from any thread)."""
         self.check_awake()
         params.validate(self.model_config.vocab_size)
+        if params.bad_words and params.bad_words_token_ids is None:  # the words as this model's tokens, checked
+            params.bad_words_token_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
+            params.validate(self.model_config.vocab_size)
         if lora_name is not None and lora_name not in self.lora_names():
             raise ValueError(f"no LoRA adapter named {lora_name!r} is loaded")
         if not prompt_token_ids:

@@ -98,8 +98,9 @@ class EngineStep:
         host before sampling) or the step preempts (its victim may hold a pending token). Penalties count
         tokens on the device and logprobs come back with the tokens, so neither needs a synchronous step;
         prompt chunks that sample nothing never stand in the way. Grammar rows overlap too: their step reads
-        the previous one's tokens after its forward is launched and before it samples (_launch)."""
-        if batch.preempted or batch.prompt_logprob_spans():
+        the previous one's tokens after its forward is launched and before it samples (_launch). Rows with bad
+        words of several tokens do not: the sampler compares their output's last tokens on the host."""
+        if batch.preempted or batch.prompt_logprob_spans() or self.runner.sampler.needs_outputs(batch.seqs):
             return False
         return not any(seq.pending_forks and seq.num_computed_tokens + n >= seq.num_tokens
                        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True))

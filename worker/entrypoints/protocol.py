@@ -77,7 +77,7 @@ UNSUPPORTED: dict[str, Any] = {
     "prediction": _off(), "audio": _off(), "modalities": _off(["text"]), "reasoning_effort": _off(),
     "web_search_options": _off(), "verbosity": _off(),
     # vLLM's extensions
-    "use_beam_search": _off(False), "length_penalty": _off(1.0), "bad_words": _off([]), "logits_processors": _off([]),
+    "use_beam_search": _off(False), "length_penalty": _off(1.0), "logits_processors": _off([]),
     "spaces_between_special_tokens": _off(True),
     "echo": _off(False),  # chat only: completions declare it
     "continue_final_message": _off(False), "add_generation_prompt": _off(True),
@@ -108,6 +108,7 @@ class _SamplingRequest(_Request):
     repetition_penalty: float | None = None
     seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
     stop: str | list[str] | None = None
+    bad_words: list[str] | None = None  # vLLM's: never generated, at the output's start or after a space
     stop_token_ids: list[int] | None = None
     logit_bias: dict[str, float] | None = None  # token id (a JSON key, so a string) -> bias in [-100, 100]
     allowed_token_ids: list[int] | None = None  # vLLM's: only these may be generated
@@ -430,6 +431,7 @@ def sampling_params(req: _SamplingRequest, max_tokens: int | None, logprobs: int
         skip_special_tokens=req.skip_special_tokens,
         include_stop_str_in_output=req.include_stop_str_in_output,
         structured=structured,
+        bad_words=req.bad_words,
     )
     try:
         params.validate(vocab_size)

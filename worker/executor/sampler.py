@@ -7,7 +7,9 @@ sampled rows are drawn by kernels/sampling.py on CUDA (reference.sample elsewher
 is a counter-based hash of seed, output position and token id, so a seeded row's draw depends on nothing
 else in the batch). Penalised rows are processed in fp32 first, in vLLM's order: logit_bias, min_tokens,
 then repetition / presence / frequency penalties from the counts their slots keep on the device, then
-allowed_token_ids (the tokens outside it marked in the same slot words) as -inf. Logprobs
+allowed_token_ids and one-token bad_words (the tokens outside it, or banned, marked in the same slot words) as
+-inf. A bad word of several tokens bans its last token in a step whose output ends with the others: the host
+compares them (such rows' steps do not overlap) and uploads the few (row, token) pairs. Logprobs
 are of the model's logits (vLLM's raw logprobs), computed on the device and read back with the tokens.
 Rows with a grammar (structured outputs) get their packed token bitmask uploaded and applied first, before
 everything else (-inf where the bit is 0, ids past the bitmask too), with greedy and sampled rows alike.
@@ -152,19 +154,41 @@ class Sampler:
         """The chosen token of every row, left on the device (no host sync here)."""
         return self.sample_step(logits, seqs).tokens
 
+    def needs_outputs(self, seqs: list[Sequence]) -> bool:
+        """True where a row's logits this step depend on its last tokens on the host (bad words of several tokens):
+        such a step cannot overlap the one still producing them."""
+        words = self.state.bad_words
+        return bool(words) and any(s.seq_id in words for s in seqs)
+
+    def _bad_word_bans(self, seqs: list[Sequence]) -> tuple[list[int], list[int]] | None:
+        """(rows, tokens): the last token of each bad word whose other tokens end that row's output (vLLM's rule)."""
+        words = self.state.bad_words
+        rows, tokens = [], []
+        for i, seq in enumerate(seqs):
+            toks, outputs = seq.token_ids, len(seq.token_ids) - seq.num_prompt_tokens
+            for ids in words.get(seq.seq_id, ()):
+                k = len(ids) - 1  # the output's last k tokens, not the prompt's (vLLM reads the output only)
+                if k <= outputs and toks[len(toks) - k:] == ids[:-1]:
+                    rows.append(i)
+                    tokens.append(ids[-1])
+        return (rows, tokens) if rows else None
+
     @torch.inference_mode()
     def sample_step(self, logits: torch.Tensor, seqs: list[Sequence]) -> Sampled:
         R, V = logits.shape
         mask = self.grammar_bitmask(seqs) if self.grammar_bitmask is not None else None
         lp_rows = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
-        raw = logits  # the logprobs are of the model's logits, the grammar's mask not applied
+        rows = self.state.rows(seqs, V, self.eos_token_ids)  # sequences seen first join here
+        bans = self._bad_word_bans(seqs) if self.state.bad_words else None
+        raw = logits  # the logprobs are of the model's logits, the grammar's mask and the bad words not applied
+        if (mask is not None or bans is not None) and lp_rows:
+            raw = logits.clone()
         if mask is not None:
             mask_rows, bitmask = self._upload_bitmask(*mask)
-            if lp_rows:
-                raw = logits.clone()
             apply_token_bitmask(logits, mask_rows, bitmask)
+        if bans is not None:  # a few (row, token) pairs, only in steps that end a bad word's other tokens
+            logits[torch.tensor(bans[0], device=self.device), torch.tensor(bans[1], device=self.device)] = float("-inf")
         lp_counts = [seqs[i].params.logprobs for i in lp_rows]
-        rows = self.state.rows(seqs, V, self.eos_token_ids)
         processed = self.state.processed(seqs, rows)
         greedy = rows[:, ref.INV_TEMPERATURE] == 0  # fp32 0.0 is int 0
         if greedy.all() and not len(processed) and not lp_rows:

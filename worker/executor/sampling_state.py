@@ -8,13 +8,13 @@ pinned copy. Per-step records rather than a device table: a record is 64 bytes, 
 costs the one copy a row-to-slot index would, and nothing on the device has to follow joins and leaves
 across overlapped steps.
 
-A sequence with penalties, logit_bias, allowed_token_ids or min_tokens also gets a device slot: one int32 word
-per vocabulary entry (its output count, plus PROMPT_BIT for a prompt token, marked once at join, for the
-repetition penalty, and OUTSIDE_BIT for a token allowed_token_ids leaves out), its logit_bias entries and its
-min_tokens-banned ids. The sampler adds each sampled token to its slot's counts on the device, so penalties
-never need the output on the host. A slot is 512 KiB at a 128k
-vocabulary; the first sequence that needs one allocates max_num_seqs of them, which the KV budget leaves room
-for (penalty_slot_bytes, executor/memory.py). Past that, only preempted sequences holding their slots while
+A sequence with penalties, logit_bias, allowed_token_ids, one-token bad_words or min_tokens also gets a device
+slot: one int32 word per vocabulary entry (its output count, plus PROMPT_BIT for a prompt token, marked once at
+join, for the repetition penalty, and OUTSIDE_BIT for a token allowed_token_ids leaves out or a bad word bans),
+its logit_bias entries and its min_tokens-banned ids. The sampler adds each sampled token to its slot's counts
+on the device, so penalties never need the output on the host. A slot is 512 KiB at a 128k vocabulary; the
+first sequence that needs one allocates max_num_seqs of them, which the KV budget leaves room for
+(penalty_slot_bytes, executor/memory.py). Past that, only preempted sequences holding their slots while
 others run: the slots then grow by doubling.
 """
 
@@ -47,7 +47,17 @@ def _uses_penalties(seq: Sequence) -> bool:
     """Processed every step (min_tokens alone only until it is reached)."""
     p = seq.params
     return (p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
-            or bool(p.logit_bias) or bool(p.allowed_token_ids))
+            or bool(p.logit_bias) or bool(p.allowed_token_ids) or bool(single_token_bans(seq)))
+
+
+def single_token_bans(seq: Sequence) -> list[int]:
+    """bad_words of one token: never drawn, marked OUTSIDE_BIT in the slot like a token allowed_token_ids leaves out."""
+    return [ids[0] for ids in seq.params.bad_words_token_ids or () if len(ids) == 1]
+
+
+def bad_word_sequences(seq: Sequence) -> list[list[int]]:
+    """bad_words of several tokens: the last is banned in a step whose output ends with the others."""
+    return [ids for ids in seq.params.bad_words_token_ids or () if len(ids) > 1]
 
 
 def penalty_slot_bytes(max_num_seqs: int, vocab_size: int) -> int:
@@ -97,6 +107,8 @@ class PenaltySlots:
         words.fill_(OUTSIDE_BIT if allowed else 0)
         if allowed:
             words[torch.tensor(allowed, dtype=torch.long, device=dev)] = 0
+        if bans := single_token_bans(seq):
+            words[torch.tensor(bans, dtype=torch.long, device=dev)] |= OUTSIDE_BIT
         prompt = torch.tensor(seq.token_ids[: seq.num_prompt_tokens], dtype=torch.long, device=dev)
         words[prompt] |= PROMPT_BIT
         outputs = [t for t in seq.output_token_ids if t >= 0]  # a token still on the device is counted there
@@ -126,6 +138,8 @@ class SamplingState:
         self.index: dict[int, int] = {}  # seq_id -> row of the table
         self.uses_penalties: dict[int, bool] = {}  # seq_id -> penalised every step (not only under min_tokens)
         self.slots: PenaltySlots | None = None
+        # seq_id -> its bad words of several tokens: the sampler checks them against the output, on the host
+        self.bad_words: dict[int, list[list[int]]] = {}
         # the last step's sequences and their table rows: a step over the same ones reuses the rows' index
         self._seqs: list[Sequence] = []
         self._at = np.zeros(0, dtype=np.int64)
@@ -175,6 +189,8 @@ class SamplingState:
         rec[ref.SEED_LO: ref.SEED_HI + 1] = np.array([seed & 0xFFFFFFFF, seed >> 32], dtype=np.uint32).view(np.int32)
         f[REPETITION], f[PRESENCE], f[FREQUENCY] = p.repetition_penalty, p.presence_penalty, p.frequency_penalty
         rec[SLOT] = -1
+        if sequences := bad_word_sequences(seq):
+            self.bad_words[seq.seq_id] = sequences
         if needs_slot(seq):
             banned = [t for t in dict.fromkeys([*p.stop_token_ids, *([] if p.ignore_eos else eos_token_ids)])
                       if t < vocab_size] if p.min_tokens else []
@@ -191,6 +207,7 @@ class SamplingState:
             return
         self._seqs = []  # its row may go to another sequence
         self.uses_penalties.pop(seq.seq_id, None)
+        self.bad_words.pop(seq.seq_id, None)
         slot = int(self.table[i, SLOT])
         if slot >= 0:
             self.slots.leave(slot)
