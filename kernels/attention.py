@@ -43,7 +43,7 @@ def _attend_tile(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr, kv
         k = tl.load(k_cache_ptr + k_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
     else:
         k = tl.load(k_cache_ptr + k_rows[:, None] + offs_d[None, :], mask=d_mask[None, :], other=0.0)
-    # to q's type: an fp8 cache's keys widen in registers (the tile's bytes are what the kernel waits on), and
+    # to q's type: an e4m3 cache's tiles widen in registers, to fp16 (dot_operand: one instruction a pair), and
     # under the interpreter (UPCAST) q is fp32, as it mishandles half-precision arithmetic
     k = k.to(q.dtype)
     s = tl.dot(q, tl.trans(k)) * qk_scale  # [M, BLOCK_N], log2 domain
