@@ -33,13 +33,13 @@ def test_words_become_token_sequences_as_vllm_makes_them(llm):
 
 
 def test_banned_words_never_appear_greedy_or_sampled(llm):
-    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     free = [o.outputs[0].token_ids for o in llm.generate([FRANCE, SEA], greedy)]
     words = ["Paris", "is a"]
     banned = bad_words_token_ids(llm.engine.tokenizer, words)
     # without the ban the greedy answers hold them: " Paris" first, then " is a" twice in the poem
     assert free[0][0] == banned[1][0] and contains(free[1], banned[3])
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, bad_words=words)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, bad_words=words)
     got = [o.outputs[0].token_ids for o in llm.generate([FRANCE, SEA], params)]
     for out, before in zip(got, free, strict=True):
         assert out != before and not any(contains(out, ids) for ids in banned)
@@ -47,9 +47,9 @@ def test_banned_words_never_appear_greedy_or_sampled(llm):
     cut = next(i for i in range(len(free[1])) if free[1][i:i + 2] == banned[3]) + 1
     assert got[1][:cut] == free[1][:cut] and got[1][cut] != banned[3][1]
     # seeded samples at temperature 1, four forks of one prompt and a second prompt in the same steps
-    sampled = SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=40, ignore_eos=True, bad_words=["is", "the sea"])
+    sampled = SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=24, ignore_eos=True, bad_words=["is", "the sea"])
     banned = bad_words_token_ids(llm.engine.tokenizer, ["is", "the sea"])
-    unbanned = SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=40, ignore_eos=True)
+    unbanned = SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=24, ignore_eos=True)
     assert any(contains(s.token_ids, ids) for r in llm.generate([SEA, FRANCE], unbanned) for s in r.outputs
                for ids in banned)  # the same draws without the ban say "is" somewhere
     for request in llm.generate([SEA, FRANCE], sampled):
