@@ -13,7 +13,7 @@ from triton.language.extra import cuda as tl_cuda
 
 from . import pdl
 from .arrivals import counters
-from .kv_cache import cache_value, dot_operand
+from .kv_cache import cache_value
 from .rope import rope_and_write_kv, rotate_tile
 
 LOG2E = 1.4426950408889634
@@ -61,6 +61,16 @@ def _attend_tile(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr, kv
     acc = acc * alpha[:, None]
     acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc)  # accumulate in place (wgmma's accumulator on Hopper)
     return acc, m_new, l_i
+
+
+@triton.jit
+def dot_operand(q, cache_ptr):
+    """q in the type the attention dots take over the cache at cache_ptr: fp16 over an e4m3 cache, whose tiles then
+    widen in one instruction a pair (e4m3 -> bf16 takes several on Hopper); fp32 (the interpreter's) stays."""
+    if cache_ptr.dtype.element_ty == tl.float8e4nv:
+        if q.dtype != tl.float32:
+            q = q.to(tl.float16)
+    return q
 
 
 # ---------------------------------------------------------------- decode

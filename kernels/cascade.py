@@ -14,8 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention import LOG2E, _attend_tile, paged_decode_attention
-from .kv_cache import dot_operand
+from .attention import LOG2E, _attend_tile, dot_operand, paged_decode_attention
 
 GROUP_ROWS = 64  # M rows of the shared-prefix dot: samples of a group x query heads of a KV head
 

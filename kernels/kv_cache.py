@@ -2,16 +2,20 @@
 import triton
 import triton.language as tl
 
-# e4m3's largest finite value: an fp8 cache saturates there, where a plain cast would give NaN
-FP8_E4M3_MAX = tl.constexpr(448.0)
+from .fp8 import to_e4m3_range
+from .reference import FP8_MAX
+
+# e4m3's largest finite value as a constant the kernels may read: an fp8 cache saturates there
+E4M3_MAX = tl.constexpr(FP8_MAX)
 
 
 @triton.jit
 def cache_value(x, cache_ptr):
-    """x in the cache's element type. An e4m3 cache (--kv-cache-dtype fp8) stores x / 1.0, saturated: vLLM's
-    default scale where the checkpoint brings none, so its fp8 cache and ours hold the same values."""
+    """x in the cache's element type. An e4m3 cache (--kv-cache-dtype fp8) stores x / 1.0, saturated (a plain cast
+    past e4m3's range gives NaN): vLLM's default scale where the checkpoint brings none, so its fp8 cache and ours
+    hold the same values."""
     if cache_ptr.dtype.element_ty == tl.float8e4nv:
-        x = tl.minimum(tl.maximum(x.to(tl.float32), -FP8_E4M3_MAX), FP8_E4M3_MAX)
+        x = to_e4m3_range(x.to(tl.float32), 1.0, E4M3_MAX)
     return x.to(cache_ptr.dtype.element_ty)
 
 
@@ -37,16 +41,6 @@ def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
              cache_value(k, k_cache_ptr), mask=mask)
     tl.store(v_cache_ptr + block_id * stride_vcb + in_block * stride_vco + head * stride_vch + d,
              cache_value(v, v_cache_ptr), mask=mask)
-
-
-@triton.jit
-def dot_operand(q, cache_ptr):
-    """q in the type the attention dots take over the cache at cache_ptr: fp16 over an e4m3 cache, whose tiles then
-    widen in one instruction a pair (e4m3 -> bf16 takes several on Hopper); fp32 (the interpreter's) stays."""
-    if cache_ptr.dtype.element_ty == tl.float8e4nv:
-        if q.dtype != tl.float32:
-            q = q.to(tl.float16)
-    return q
 
 
 def write_kv_cache(k, v, k_cache, v_cache, slot_mapping):

@@ -11,8 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention import LOG2E, _attend_tile
-from .kv_cache import dot_operand
+from .attention import LOG2E, _attend_tile, dot_operand
 
 
 @triton.jit

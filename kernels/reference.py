@@ -32,13 +32,10 @@ def write_kv_cache(k, v, k_cache, v_cache, slot_mapping):
         cache[blocks, offsets] = x
 
 
-FP8_E4M3_MAX = 448.0
-
-
 def to_cache_dtype(x, dtype):
-    """x in a cache of dtype: an e4m3 cache (scale 1.0) saturates at +-448, where a plain cast gives NaN."""
+    """x in a cache of dtype: an e4m3 cache (scale 1.0) saturates at +-FP8_MAX, where a plain cast gives NaN."""
     if dtype == torch.float8_e4m3fn:
-        x = x.float().clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
+        x = x.float().clamp(-FP8_MAX, FP8_MAX)
     return x.to(dtype)
 
 
