@@ -8,8 +8,9 @@ import torch
 
 from pagefleet.worker import LLM, SamplingParams
 from pagefleet.worker.core.config import EngineConfig
+from pagefleet.worker.core.sampling_params import StructuredOutputsParams
 from pagefleet.worker.executor.graphs.manager import GRAPH_RESERVE_BYTES, reserve_bytes
-from pagefleet.worker.executor.graphs.mixed import MixedGraphs, graph_keys
+from pagefleet.worker.executor.graphs.mixed import MAX_CHUNKS, MixedGraphs, graph_keys
 from pagefleet.worker.executor.graphs.prompt import MAX_SEQS
 from pagefleet.worker.executor.step_inputs import StepInputs
 
@@ -51,7 +52,7 @@ def test_keys_and_reserve():
     # 64 padded decodes past the largest prompt graph's 1,024 rows, at the profiled 8,192-token step's rate
     config = EngineConfig(max_num_seqs=256, max_num_batched_tokens=8192)
     mixed = MixedGraphs.reserve_bytes(config, 1000, torch.float32, 8192 * 10)
-    assert mixed == 64 * 10 + (64 + MAX_SEQS) * 1000 * 4
+    assert mixed == 64 * 10 + (64 + MAX_CHUNKS) * 1000 * 4
     # the manager's reserve: the pool and workspace, each kind's static logits and activations; none when eager
     decode_logits, prompt = 256 * 1000 * 4, 1024 * 10 + MAX_SEQS * 1000 * 4
     assert reserve_bytes(config, 1000, torch.float32, 8192 * 10) == GRAPH_RESERVE_BYTES + decode_logits + prompt + mixed
@@ -62,7 +63,8 @@ def test_keys_and_reserve():
 def test_stage_pads_decodes_and_prompt_tokens(tiny_models):
     llm = LLM(str(tiny_models["llama"]), max_model_len=512, max_num_batched_tokens=256, max_num_seqs=16)
     mg = with_mixed_graphs(llm)
-    assert mg.fits(shape(16, [32] * MAX_SEQS)) and not mg.fits(shape(17, [8])) and not mg.fits(shape(1, [2] * 5))
+    assert mg.fits(shape(16, [16] * MAX_CHUNKS)) and not mg.fits(shape(17, [8]))
+    assert not mg.fits(shape(1, [2] * (MAX_CHUNKS + 1)))
     assert not mg.fits(shape(16, [257])) and not mg.fits(shape(0, [8])) and not mg.fits(shape(3, []))
     # two decodes (context 9 and 17), then chunks of 3 and 2 tokens
     tokens = np.array([[11, 12, 5, 6, 7, 8, 9], [8, 16, 0, 1, 2, 4, 5], [40, 41, 48, 49, 50, 64, 65]], dtype=np.int64)
@@ -74,8 +76,8 @@ def test_stage_pads_decodes_and_prompt_tokens(tiny_models):
     assert (got[2, 2:8] == -1).all() and (got[2, 13:] == -1).all()  # padding rows and tokens write nowhere
     assert mg.dec_seq_lens[:8].tolist() == [9, 17, 1, 1, 1, 1, 1, 1]  # a padding decode sees one key
     assert mg.dec_tables[:2, :4].tolist() == [[2, 0, 0, 0], [3, 4, 0, 0]] and mg.dec_tables[2:].abs().sum() == 0
-    assert mg.seq_lens.tolist() == [3, 6, 0, 0]
-    assert mg.cu_seqlens_q.tolist() == [0, 3, 5, 5, 5]  # padding sequences own no tokens
+    assert mg.seq_lens.tolist() == [3, 6] + [0] * (MAX_CHUNKS - 2)
+    assert mg.cu_seqlens_q.tolist() == [0, 3] + [5] * (MAX_CHUNKS - 1)  # padding sequences own no tokens
     assert mg.block_tables[:2, :4].tolist() == [[5, 0, 0, 0], [6, 7, 0, 0]] and mg.block_tables[2:].abs().sum() == 0
     assert mg.logits_rows[:4].tolist() == [0, 1, 10, 12]
     for part in (mg.dec_seq_lens, mg.dec_tables, mg.seq_lens, mg.cu_seqlens_q, mg.block_tables):
@@ -117,3 +119,33 @@ def test_graphed_mixed_steps_fork_samples(tiny_models):
     eager, graphed = eager_llm.generate(prompts, params), llm.generate(prompts, params)
     assert [[o.token_ids for o in r.outputs] for r in graphed] == [[o.token_ids for o in r.outputs] for r in eager]
     assert mg.keys == [(8, 64), (8, 128)] and len(graphed[1].outputs) == 3 and mg.replays == 1
+
+
+def test_mixed_graphs_take_many_forced_chunks(tiny_models):
+    """Structured outputs' jump-forward (engine/step.py), twelve constrained sequences at once: steps carry more
+    forced chunks than a prompt graph holds, replayed by the mixed graphs with the eager engine's tokens."""
+    settings = dict(max_model_len=256, max_num_batched_tokens=256, max_num_seqs=16,
+                    structured_outputs_jump_forward=True)
+    eager_llm, llm = LLM(str(tiny_models["llama"]), **settings), LLM(str(tiny_models["llama"]), **settings)
+    mg = with_mixed_graphs(llm)
+    chunks = []
+    real_stage = mg.stage
+
+    def stage(step, feed=None):
+        chunks.append(step.num_seqs - step.num_decodes)
+        return real_stage(step, feed)
+
+    mg.stage = stage
+    prompts = [list(range(100 + 7 * i, 130 + 7 * i)) for i in range(12)]
+    params = SamplingParams(temperature=1.0, seed=11, max_tokens=60,
+                            structured=StructuredOutputsParams(json={"type": "object", "properties": {
+                                "first_name": {"type": "string", "maxLength": 4},
+                                "family_name": {"type": "string", "maxLength": 4},
+                                "is_member": {"type": "boolean"}},
+                                "required": ["first_name", "family_name", "is_member"],
+                                "additionalProperties": False}))
+    got = [o.outputs[0] for o in llm.generate(prompts, params)]
+    want = [o.outputs[0] for o in eager_llm.generate(prompts, params)]
+    assert [c.token_ids for c in got] == [c.token_ids for c in want]
+    assert max(chunks) > MAX_SEQS and max(chunks) <= MAX_CHUNKS, chunks
+    assert np.mean([c.finish_reason == "stop" for c in got]) > 0.5

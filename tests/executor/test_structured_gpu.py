@@ -174,3 +174,44 @@ def test_graphed_decode_with_a_grammar_matches_eager_and_syncs_as_today(smollm2_
         assert got.outputs[0].finish_reason == "stop"
         jsonschema.validate(json.loads(got.outputs[0].text), SCHEMA)
     assert plain  # the unconstrained run finished too
+
+
+@needs_cuda
+def test_jump_forward_chunks_replay_mixed_graphs(tiny_models, tmp_path):
+    """Jump-forward (--structured-outputs-jump-forward) at 12 sequences: each step carries the forced chunks of
+    several of them beside the others' decodes, up to 15 a step (one of the mixed graphs' 16 kept for a prompt);
+    such steps replay mixed graphs, more chunks than a prompt graph holds among them, and give the eager
+    engine's tokens. The tiny Llama spells JSON one character a token (bench serve's --json-chars tokenizer)."""
+    import shutil
+
+    from pagefleet.worker.entrypoints.cli.bench_serve import write_word_tokenizer
+    from pagefleet.worker.executor.graphs.mixed import MAX_CHUNKS
+    from pagefleet.worker.executor.graphs.prompt import MAX_SEQS
+
+    model = shutil.copytree(tiny_models["llama"], tmp_path / "llama-json")
+    write_word_tokenizer(str(model), json_chars=True)
+    prompts = [list(range(100 + 9 * i, 130 + 9 * i)) for i in range(12)]
+    params = SamplingParams(temperature=0.0, max_tokens=96, structured=Structured(json=SCHEMA))
+    settings = dict(dtype="bfloat16", max_model_len=512, gpu_memory_fraction=0.2, max_num_seqs=16,
+                    structured_outputs_jump_forward=True)
+    graphed = LLM(str(model), **settings)
+    mg = graphed.engine.runner.mixed_graphs
+    assert mg is not None and mg.max_chunks == MAX_CHUNKS and graphed.engine.jumps_per_step == MAX_CHUNKS - 1
+    chunks = []
+    real_stage = mg.stage
+
+    def stage(step, feed=None):
+        chunks.append(step.num_seqs - step.num_decodes)
+        return real_stage(step, feed)
+
+    mg.stage = stage
+    got = [o.outputs[0] for o in graphed.generate(prompts, params)]
+    assert graphed.engine.jump_forward_tokens_total > 0 and max(chunks) > MAX_SEQS, chunks
+    del graphed, mg
+    torch.cuda.empty_cache()
+    eager = LLM(str(model), enforce_eager=True, **settings)
+    want = [o.outputs[0] for o in eager.generate(prompts, params)]
+    assert [c.token_ids for c in got] == [c.token_ids for c in want]
+    for c in got:
+        assert c.finish_reason == "stop", c.text
+        jsonschema.validate(json.loads(c.text), SCHEMA)

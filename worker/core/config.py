@@ -38,6 +38,10 @@ class EngineConfig:
     # checkpoint's mamba_ssm_dtype where its config names one, else the model dtype; the maths is fp32 either way
     mamba_ssm_cache_dtype: str = "auto"
     seed: int = 0
+    # structured outputs: text the grammar forces (a JSON key, its quotes and colon) joins the output as tokens at
+    # once and runs through the model as one chunk, not one step a token (SGLang's jump-forward); off by default,
+    # since those tokens are xgrammar's longest-match split of the text, not always the tokenizer's own
+    structured_outputs_jump_forward: bool = False
     async_scheduling: bool = True  # overlap decode steps: launch step N+1 before reading step N's tokens
     enable_lora: bool = False  # keep slots for LoRA adapters, loaded and unloaded while serving
     # weights and KV cache in memory that sleep() hands back to the driver and wake_up() maps again at the same

@@ -150,6 +150,12 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < GREEDY_EPS
 
+    @property
+    def counts_outputs(self) -> bool:
+        """The repetition, presence or frequency penalty reads this request's output counts (kept on the device
+        by the sampler, from the tokens it draws)."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
     def validate(self, vocab_size: int | None = None) -> SamplingParams:
         """Raise ValueError naming the bad field; the server maps it to HTTP 400 with that param. vocab_size:
         also check token ids (logit_bias) against the model's vocabulary."""

@@ -86,6 +86,7 @@ class LLMEngine(WeightUpdates):
         self.emit_partial = True  # the streaming engine wants every step's progress; offline runs only the final
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
+        self.jump_forward_tokens_total = 0  # of those, forced by a grammar and appended without a draw
         self.steps_total = 0
         self.recent_steps: deque[StepRecord] = deque(maxlen=2048)
         self.pending: PendingStep | None = None  # an overlapped step not yet read back
@@ -94,6 +95,8 @@ class LLMEngine(WeightUpdates):
         self.held: list[Sequence] = []  # arrived or not started while paused: scheduled on resume
         self.weight_groups: dict = {}
         self.structured = None  # the grammar compiler (engine/structured_output.py), made at the first structured one
+        mixed = getattr(self.runner, "mixed_graphs", None)
+        self.jumps_per_step = mixed.max_chunks - 1 if mixed is not None else None  # step.py's jump-forward limit
         self._structured_lock = threading.Lock()
 
     def _state_slots(self) -> StateSlots | None:
@@ -143,7 +146,8 @@ class LLMEngine(WeightUpdates):
                     from pagefleet.worker.engine.structured_output import StructuredOutputs  # imports xgrammar
 
                     structured = StructuredOutputs(self.tokenizer, self.model_config.vocab_size,
-                                                   sorted(self.eos_token_ids))
+                                                   sorted(self.eos_token_ids),
+                                                   jump_forward=self.config.structured_outputs_jump_forward)
                     self.runner.sampler.grammar_bitmask = structured.bitmask
                     self.structured = structured
         return self.structured

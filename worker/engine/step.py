@@ -7,8 +7,10 @@ device stands in its sequence as PLACEHOLDER; the next step's decodes read it fr
 resolving puts the real id in. Overlapped, the host's scheduling and bookkeeping hide behind the forward
 and outputs lag one step. A step that samples rows with a grammar (structured outputs) overlaps too: after
 queuing its forward it reads the previous step's tokens, which its matchers accept, and fills its bitmask while
-the forward runs. A mixin of LLMEngine (llm_engine.py): it uses the engine's runner, scheduler,
-block manager, requests and counters, and its `_outputs`.
+the forward runs. With jump-forward on, a grammar row's forced tokens join it when its token is resolved,
+and the next step runs them as a chunk: a sequence whose token brought forced ones samples nothing in the
+step already launched over that token. A mixin of LLMEngine (llm_engine.py): it uses the engine's runner,
+scheduler, block manager, requests and counters, and its `_outputs`.
 """
 
 from __future__ import annotations
@@ -63,6 +65,12 @@ class EngineStep:
 
     pending: PendingStep | None  # an overlapped step not yet read back
     _resolved_early: dict | None = None  # the previous step, resolved inside this one's launch (grammar rows)
+    # Jump-forward: sequences given forced tokens while one step is scheduled run them as prompt-like chunks in the
+    # next, and a step of more chunks than the mixed CUDA graphs hold runs eagerly (tens of ms of host time), so
+    # at most this many jump a step (None: no limit, where every step is eager anyway); one chunk stays free for
+    # an arriving prompt.
+    jumps_per_step: int | None = None
+    _jumps_left: int | None = None
 
     def step(self) -> list[RequestOutput]:
         """Schedule, launch, resolve. Steps overlap when nothing in them needs the host to see a token first:
@@ -70,6 +78,7 @@ class EngineStep:
         any other step is resolved in the call that launched it (depth 0)."""
         start = time.perf_counter()
         batch = self.scheduler.schedule()
+        self._jumps_left = self.jumps_per_step  # the forced chunks the next step takes (those made from here on)
         overlap = self.config.async_scheduling and bool(batch.seqs) and self._can_overlap(batch)
         outputs: list[RequestOutput] = self._fail_grammars(batch.failed) if batch.failed else []
         if self.pending is not None and not overlap:
@@ -166,8 +175,10 @@ class EngineStep:
             # The matchers need the previous step's tokens before this step's bitmask: read them now, with this
             # step's forward already queued behind them, so the device keeps running while the host fills it.
             self._resolved_early = self._resolve(prev, relaunched=set())
-            if any(seq.is_finished for seq in sampling):  # ended by the token just read: nothing to sample
-                keep = [i for i, seq in enumerate(sampling) if not seq.is_finished]
+            # ended by the token just read, or given forced tokens after it: nothing to sample now
+            if any(seq.is_finished or seq.num_computed_tokens < len(seq.token_ids) for seq in sampling):
+                keep = [i for i, seq in enumerate(sampling)
+                        if not seq.is_finished and seq.num_computed_tokens == len(seq.token_ids)]
                 if not keep:
                     return None, num_prefill, num_decode
                 sampling, logits = [sampling[i] for i in keep], logits[keep]
@@ -249,9 +260,12 @@ class EngineStep:
         touched: dict[str, Request] = {}
         requests = self.requests
         if step.logprobs is not None:  # read back at launch: nothing ran since
+            jump = self.structured is not None and self.structured.jump_forward
             for seq, token, logprob in zip(step.seqs, step.tokens, step.logprobs, strict=True):
                 touched[seq.request_id] = requests[seq.request_id]
                 self._append_token(seq, token, logprob)
+                if jump and seq.grammar is not None and seq.status is not FINISHED:
+                    self._jump_forward(seq)
             return touched
         if relaunched is None:
             relaunched = self.pending.seq_ids if self.pending is not None else set()
@@ -279,6 +293,9 @@ class EngineStep:
                 finished = seq.status is FINISHED
                 if not finished and again:
                     ids.append(PLACEHOLDER)
+                elif not finished and seq.grammar is not None and self.structured.jump_forward:
+                    self._jump_forward(seq)
+                    finished = seq.status is FINISHED
             else:
                 # No text and no grammar this step (_append_token's rules without them): the token takes its
                 # placeholder's place, and a later step's placeholder behind it stays
@@ -307,12 +324,36 @@ class EngineStep:
             return {seqs[i].request_id: requests[seqs[i].request_id] for i in rows if seqs[i].request_id in ended}
         return touched
 
-    def _append_token(self, seq: Sequence, token: int, logprob) -> None:
+    def _jump_forward(self, seq: Sequence) -> None:
+        """Jump-forward (--structured-outputs-jump-forward): the tokens seq's grammar forces after its last one
+        join it now, through the same text, stop-string and length rules as drawn ones, and the next step runs
+        them as one chunk and samples after them. At most max_tokens - 1 outputs (one is left to draw) and
+        max_model_len - 1 tokens. Rows whose logprobs or penalties need every token drawn on the device draw them."""
+        p = seq.params
+        if self._jumps_left == 0 or p.logprobs is not None or p.counts_outputs:
+            return
+        ids = seq.token_ids
+        limit = self.max_model_len - len(ids) - 1
+        if p.max_tokens is not None:
+            limit = min(limit, p.max_tokens - (len(ids) - seq.num_prompt_tokens) - 1)
+        forced = seq.grammar.jump_forward(self.structured.forced, limit)
+        if not forced:
+            return
+        if self._jumps_left is not None:
+            self._jumps_left -= 1
+        self.jump_forward_tokens_total += len(forced)
+        for token in forced:
+            self._append_token(seq, token, None, accepted=True)
+            if seq.status is FINISHED:
+                return
+
+    def _append_token(self, seq: Sequence, token: int, logprob, accepted: bool = False) -> None:
         """A sampled token joins its sequence; the finish rules (stop string, grammar, eos, stop token, length)
-        apply. A grammar's matcher accepts the token first; it refuses one only when the mask left nothing
-        allowed (min_tokens banning the end of a complete output), and the output then ends as it is."""
+        apply. A grammar's matcher accepts the token first (unless `accepted`: a forced token it took already); it
+        refuses one only when the mask left nothing allowed (min_tokens banning the end of a complete output),
+        and the output then ends as it is."""
         grammar = seq.grammar
-        if grammar is not None and not grammar.accept(token):
+        if grammar is not None and not accepted and not grammar.accept(token):
             seq.finish_reason = "stop"
             self._finish(seq)
             return

@@ -11,6 +11,12 @@ sequence keeps its tokens and its matcher (recompute re-runs only the K/V), so n
 `rebuild` replays the output tokens into a fresh matcher and lands in the same state. JSON is generated
 without free whitespace (any_whitespace=False), so a small model cannot loop on blanks.
 
+Jump-forward (--structured-outputs-jump-forward): where the grammar leaves only one text to come (a JSON key with
+its quotes and colon, the rest of an enum value), `GrammarState.jump_forward` turns it into tokens by longest
+match over the vocabulary (`ForcedText`), the matcher accepts them, and the engine appends them to the output at
+once; the next step runs them through the model as one chunk. The last token is left to the model where a longer
+vocabulary token starts with it, so the model's own token can merge it with the free text after it.
+
 With a reasoning model (the server's --reasoning-parser) the constraint applies after the reasoning, as in
 vLLM: a request's AfterReasoning constraint names the reasoning end token (`</think>`), and its sequence's grammar
 stays inactive (no mask row, tokens not fed to the matcher) until that token is sampled; from the next token on
@@ -135,6 +141,21 @@ class GrammarState:
     def terminated(self) -> bool:
         return not self.waiting and self._matcher is not None and self._matcher.is_terminated()
 
+    def jump_forward(self, forced: ForcedText, limit: int) -> list[int]:
+        """The tokens the grammar forces next (at most `limit`), accepted by the matcher: [] where nothing is forced
+        or the reasoning gate is shut."""
+        if self.waiting or limit <= 0:
+            return []
+        matcher = self.matcher
+        text = matcher.find_jump_forward_string()
+        if not text:
+            return []
+        tokens = forced.split(text.encode(), limit)
+        for i, token in enumerate(tokens):
+            if not matcher.accept_token(token):  # a piece the grammar splits otherwise: the model goes on from here
+                return tokens[:i]
+        return tokens
+
     def fork(self) -> GrammarState:
         """A sibling sample's own state, where this one is now."""
         return GrammarState(self.future, self.stop_token_ids,
@@ -151,13 +172,48 @@ class GrammarState:
         return state
 
 
+class ForcedText:
+    """The vocabulary's ordinary tokens by their bytes, for splitting a grammar's forced text into tokens."""
+
+    def __init__(self, info: xgr.TokenizerInfo):
+        special = set(info.special_token_ids) | set(info.stop_token_ids)
+        ids: dict[bytes, int] = {}
+        for i, piece in enumerate(info.decoded_vocab):
+            if piece and i not in special and piece not in ids:  # the lowest id of pieces spelt alike
+                ids[piece] = i
+        self.ids = ids
+        self.longest = max(map(len, ids), default=0)
+        pieces = sorted(ids)  # a piece is a strict prefix of another exactly when the one sorted after it is
+        self.extendable = {a for a, b in zip(pieces, pieces[1:]) if b.startswith(a)}
+
+    def split(self, text: bytes, limit: int) -> list[int]:
+        """Up to `limit` tokens spelling text from its start, longest piece first. The token that ends the text
+        is dropped where a longer piece extends it: what follows the text is the model's, and its own token there
+        may take both."""
+        tokens: list[int] = []
+        at, end, ids = 0, len(text), self.ids
+        while at < end and len(tokens) <= limit:
+            for stop in range(min(end, at + self.longest), at, -1):
+                token = ids.get(text[at:stop])
+                if token is not None:
+                    break
+            else:
+                break  # no piece spells the next byte
+            tokens.append(token)
+            last, at = text[at:stop], stop
+        if tokens and at == end and last in self.extendable:
+            tokens.pop()
+        return tokens[:limit]
+
+
 class StructuredOutputs:
     """The engine's grammar compiler (one pool, one cache) and the step's bitmask for the sampler."""
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], max_workers: int = 2,
-                 fill_threads: int | None = None):
+                 fill_threads: int | None = None, jump_forward: bool = False):
         """vocab_size: the width of the model's logits rows, which may exceed the tokenizer's vocabulary; the
-        ids past the tokenizer's are never allowed."""
+        ids past the tokenizer's are never allowed. jump_forward: build `forced` for GrammarState.jump_forward."""
+        self.jump_forward = jump_forward
         self.vocab_size = vocab_size
         self.stop_token_ids = list(stop_token_ids)
         self.bitmask_width = -(-vocab_size // 32)
@@ -169,10 +225,13 @@ class StructuredOutputs:
         self._batch = xgr.BatchGrammarMatcher(fill_threads or max(1, min(8, (os.cpu_count() or 2) // 2)))
         self._buffer = np.zeros((0, self.bitmask_width), dtype=np.int32)
         self.live = 0  # sequences holding a grammar state (the engine counts): 0 makes `bitmask` free
+        self.forced: ForcedText | None = None  # the vocabulary for jump-forward, built with the compiler
 
     def _make_compiler(self, tokenizer) -> xgr.GrammarCompiler:
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size,
                                                   stop_token_ids=self.stop_token_ids)
+        if self.jump_forward:
+            self.forced = ForcedText(info)  # before any grammar compiles, so before any matcher exists
         return xgr.GrammarCompiler(info, max_threads=2, cache_enabled=False)  # cached here, by constraint
 
     def check(self, structured: StructuredOutputsParams) -> xgr.Grammar:

@@ -41,6 +41,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enable-sleep-mode", action="store_true",
                         help="let sleep / wake_up hand the weights' and KV cache's GPU memory back to the driver "
                              "(a trainer on the same GPU) and take it back, CUDA graphs kept")
+    parser.add_argument("--structured-outputs-jump-forward", action="store_true",
+                        help="structured outputs: append the text a grammar forces (keys, quotes, colons) at once and "
+                             "run it through the model as one chunk instead of a step a token; those tokens are "
+                             "xgrammar's longest-match split of the text, which may differ from the tokenizer's")
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=d.async_scheduling,
                         help="overlap decode steps with the host's bookkeeping")
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size,
@@ -64,4 +68,5 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         enable_lora=args.enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
         compile_workers=args.compile_workers, enable_sleep_mode=args.enable_sleep_mode,
         tensor_parallel_size=args.tensor_parallel_size,
+        structured_outputs_jump_forward=args.structured_outputs_jump_forward,
     ).validate()

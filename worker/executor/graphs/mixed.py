@@ -5,7 +5,7 @@ step whatever its size, against 5.7-16 ms of GPU time for 16-64 decodes beside 6
 (docs/benchmarks.md, a mixed step's cost). Every running sequence waits for that step: a prompt that arrives
 while others decode (most prompts, on a server) stalls them all for the host's time, not the GPU's.
 
-A step of at most MAX_SEQS prompt chunks (up to the largest prompt graph's tokens in all) behind up to
+A step of at most MAX_CHUNKS prompt chunks (up to the largest prompt graph's tokens in all) behind up to
 DECODE_SIZES[-1] decodes is laid out as [decode rows, padded to a decode size][prompt tokens, padded to a token
 bucket]. Padding decode rows see one key and write nowhere, as in the decode graphs; padding tokens write
 nowhere and padding prompt sequences own no tokens, as in the prompt graphs. The decodes go through the decode
@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from pagefleet.worker.executor.graphs.base import StepGraphs
-from pagefleet.worker.executor.graphs.prompt import MAX_SEQS, ChunkInts, token_buckets
+from pagefleet.worker.executor.graphs.prompt import ChunkInts, token_buckets
 from pagefleet.worker.executor.state_cache import is_stateful
 from pagefleet.worker.executor.step_inputs import StepInputs, feed_device_tokens
 from pagefleet.worker.models.layers.context import forward_context
@@ -33,6 +33,10 @@ from pagefleet.worker.models.layers.paged_attention import AttentionMetadata
 DECODE_SIZES = (8, 16, 32, 64)  # a padding decode row costs a GEMM row and one key: coarse sizes are cheap
 # 640: a 564-token prompt; 32 graphs: 1.3 s to capture on the H200
 TOKEN_BUCKETS = (64, 128, 256, 384, 512, 640, 768, 1024)
+# Chunks beside the decodes: a prompt or two arriving, and the forced tokens of structured outputs' jump-forward
+# (engine/step.py), which at concurrency 64 puts 8-16 short chunks in most steps. A padding chunk owns no query
+# tile of the prefill kernel, so the spare ones cost a program launch each.
+MAX_CHUNKS = 16
 
 
 def graph_keys(max_num_seqs: int, max_tokens: int) -> list[tuple[int, int]]:
@@ -54,20 +58,21 @@ class MixedGraphs(StepGraphs):
         super().__init__(model, keys)
         self.decode_sizes = sorted({d for d, _ in keys})
         self.max_model_len = max_model_len
-        d, t, s = self.decode_sizes[-1], max(t for _, t in keys), MAX_SEQS
+        d, t, s = self.decode_sizes[-1], max(t for _, t in keys), MAX_CHUNKS
+        self.max_chunks = s
         self.tokens = torch.zeros(3, d + t, dtype=torch.long, device=device)  # input ids, positions, slots
         self.tokens[2].fill_(-1)
         # The decodes' seq lens lead the prompt chunks' int32 buffer (one host-to-device copy a step). Their
         # block tables stand apart: a step copies only its own rows and columns of them (64 full rows are
         # 512 KB at a 32k-token max_model_len), as the decode graphs do.
-        self.chunks = chunks = ChunkInts(d, max_blocks_per_seq, device)
+        self.chunks = chunks = ChunkInts(d, max_blocks_per_seq, device, s)
         self.dec_seq_lens = chunks.data[:d]
         self.dec_tables = torch.zeros(d, chunks.width, dtype=torch.int32, device=device)
         self.seq_lens, self.cu_seqlens_q, self.block_tables = chunks.seq_lens, chunks.cu_seqlens_q, chunks.block_tables
         self.logits_rows = torch.zeros(d + s, dtype=torch.long, device=device)
         self.logits = torch.empty(d + s, model.lm_head.weight.shape[0], dtype=model.lm_head.weight.dtype, device=device)
         # A model with recurrent state: the decodes' state slots end where the prompt chunks' begin (at d), so
-        # the graph of d' decodes reads its d' + MAX_SEQS slots as one view ending there; -1 on padding.
+        # the graph of d' decodes reads its d' + MAX_CHUNKS slots as one view ending there; -1 on padding.
         self.state_slots = torch.full((d + s,), -1, dtype=torch.int32, device=device) if is_stateful(model) else None
 
     @classmethod
@@ -85,7 +90,7 @@ class MixedGraphs(StepGraphs):
             return 0
         extra_rows = max(d + t for d, t in keys) - token_buckets(config.max_num_batched_tokens)[-1]
         return (activation_peak * extra_rows // config.max_num_batched_tokens
-                + (min(DECODE_SIZES[-1], config.max_num_seqs) + MAX_SEQS) * vocab_size * dtype.itemsize)
+                + (min(DECODE_SIZES[-1], config.max_num_seqs) + MAX_CHUNKS) * vocab_size * dtype.itemsize)
 
     def _captured(self) -> str:
         return (f"{len(self.graphs)} mixed CUDA graphs (decodes {self.decode_sizes[0]}..{self.decode_sizes[-1]}"
@@ -106,7 +111,7 @@ class MixedGraphs(StepGraphs):
     def fits(self, step: StepInputs) -> bool:
         """A few decodes ahead of a few prompt chunks. A one-token chunk mid-prompt counts as a decode."""
         nd = step.num_decodes
-        return (0 < nd <= self.decode_sizes[-1] and 0 < step.num_seqs - nd <= MAX_SEQS
+        return (0 < nd <= self.decode_sizes[-1] and 0 < step.num_seqs - nd <= self.max_chunks
                 and self._key(nd, step.num_tokens - nd) is not None)
 
     def stage(self, step: StepInputs, feed: tuple[np.ndarray, torch.Tensor] | None = None) -> tuple[int, int]:
@@ -131,7 +136,7 @@ class MixedGraphs(StepGraphs):
         self.dec_tables[:nd, : tables.shape[1]].copy_(torch.from_numpy(tables[:nd]), non_blocking=True)
         self.logits_rows.copy_(torch.from_numpy(rows), non_blocking=True)
         if self.state_slots is not None:
-            state_slots = np.full(d + MAX_SEQS, -1, dtype=np.int32)
+            state_slots = np.full(d + self.max_chunks, -1, dtype=np.int32)
             state_slots[:nd] = step.state_slots[:nd]
             state_slots[d : d + step.num_seqs - nd] = step.state_slots[nd:]
             self._state_view(d).copy_(torch.from_numpy(state_slots), non_blocking=True)
@@ -142,11 +147,11 @@ class MixedGraphs(StepGraphs):
         return key
 
     def _state_view(self, d: int) -> torch.Tensor | None:
-        """The state slots of a graph with d decode rows: [d decodes][MAX_SEQS prompt chunks]."""
+        """The state slots of a graph with d decode rows: [d decodes][max_chunks prompt chunks]."""
         if self.state_slots is None:
             return None
         top = self.decode_sizes[-1]
-        return self.state_slots[top - d : top + MAX_SEQS]
+        return self.state_slots[top - d : top + self.max_chunks]
 
     def _key(self, num_decodes: int, prompt_tokens: int) -> tuple[int, int] | None:
         d = next((s for s in self.decode_sizes if s >= num_decodes), None)

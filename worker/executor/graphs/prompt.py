@@ -102,12 +102,12 @@ class PromptGraphs(StepGraphs):
 
 
 class ChunkInts:
-    """Up to MAX_SEQS prompt chunks' seq lens, query offsets and block tables in one int32 device buffer (one
+    """Up to max_seqs prompt chunks' seq lens, query offsets and block tables in one int32 device buffer (one
     host-to-device copy a step), after `lead` int32s its owner keeps for itself. Each part starts 16-byte
     aligned: Triton compiles a kernel variant per pointer alignment."""
 
-    def __init__(self, lead: int, max_blocks_per_seq: int, device: torch.device):
-        s = MAX_SEQS
+    def __init__(self, lead: int, max_blocks_per_seq: int, device: torch.device, max_seqs: int = MAX_SEQS):
+        self.max_seqs = s = max_seqs
         self.width = align4(max_blocks_per_seq)
         self.lens_at = align4(lead)
         self.cu_at = self.lens_at + align4(s)
@@ -121,12 +121,12 @@ class ChunkInts:
         return np.zeros(self.data.shape[0], dtype=np.int32)
 
     def pack(self, ints: np.ndarray, seq_lens: np.ndarray, cu: np.ndarray, tables: np.ndarray) -> None:
-        """Write the chunks (query offsets from 0) into the host copy ints, padded to MAX_SEQS."""
-        n = len(seq_lens)
+        """Write the chunks (query offsets from 0) into the host copy ints, padded to max_seqs."""
+        n, s = len(seq_lens), self.max_seqs
         ints[self.lens_at : self.lens_at + n] = seq_lens  # padding sequences: no keys ...
-        ints[self.cu_at : self.cu_at + MAX_SEQS + 1] = cu[-1]  # ... and no queries
+        ints[self.cu_at : self.cu_at + s + 1] = cu[-1]  # ... and no queries
         ints[self.cu_at : self.cu_at + n + 1] = cu
-        ints[self.tables_at :].reshape(MAX_SEQS, self.width)[:n, : tables.shape[1]] = tables
+        ints[self.tables_at :].reshape(s, self.width)[:n, : tables.shape[1]] = tables
 
     def upload(self, ints: np.ndarray) -> None:
         self.data.copy_(torch.from_numpy(ints), non_blocking=True)
