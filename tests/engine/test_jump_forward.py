@@ -12,6 +12,7 @@ import xgrammar as xgr
 
 from pagefleet.worker import LLM, SamplingParams
 from pagefleet.worker.core.sampling_params import StructuredOutputsParams as Structured
+from pagefleet.worker.engine.stats import collect
 from pagefleet.worker.engine.structured_output import ForcedText
 
 SCHEMA = {
@@ -70,6 +71,7 @@ def test_outputs_validate_in_fewer_steps(llm, plain, temperature, seed, n):
     # each output's keys, quotes and colons are forced: a third or more of its tokens
     assert jumped >= sum(len(c.token_ids) for c in got) // 3, (jumped, [len(c.token_ids) for c in got])
     assert steps < 0.8 * plain_steps, (steps, plain_steps)
+    assert collect(llm.engine).jump_forward_tokens_total == llm.engine.jump_forward_tokens_total  # for /metrics
 
 
 def test_overlapped_and_synchronous_steps_agree(smollm2_path, llm):

@@ -264,7 +264,7 @@ async def test_64_concurrent_streams_are_batched(server):
                  "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:num_preemptions_total",
                  "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
                  "vllm:time_to_first_token_seconds_count", "vllm:inter_token_latency_seconds_count",
-                 "vllm:e2e_request_latency_seconds_count"):
+                 "vllm:e2e_request_latency_seconds_count", "pagefleet:jump_forward_tokens_total"):
         assert name in before, name
     # the KV cache's settings as vLLM labels them (the bundled model serves with the default cache dtype)
     info_name = "vllm:cache_config_info"

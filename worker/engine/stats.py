@@ -26,6 +26,7 @@ class EngineStats:
     prefix_cache_hits_total: int
     steps_total: int
     recent_steps: list[StepRecord] = field(default_factory=list)
+    jump_forward_tokens_total: int = 0  # of the generation tokens, those a grammar forced (no draw)
     max_loras: int = 0  # 0: LoRA off
     running_loras: list[str] = field(default_factory=list)  # adapters of running / waiting requests
     waiting_loras: list[str] = field(default_factory=list)
@@ -45,6 +46,7 @@ def collect(engine) -> EngineStats:
         prefix_cache_hits_total=blocks.prefix_hits,
         steps_total=engine.steps_total,
         recent_steps=list(engine.recent_steps),
+        jump_forward_tokens_total=engine.jump_forward_tokens_total,
         **_lora_stats(engine),
     )
 

@@ -68,6 +68,8 @@ class _EngineCollector:
         yield counter("vllm:prefix_cache_queries", "Prefix cache queries, in tokens.", s.prefix_cache_queries_total)
         yield counter("vllm:prefix_cache_hits", "Prefix cache hits, in tokens.", s.prefix_cache_hits_total)
         yield counter("pagefleet:engine_steps", "Engine steps run.", s.steps_total)
+        yield counter("pagefleet:jump_forward_tokens", "Generation tokens a grammar forced and the engine appended "
+                      "without drawing them (--structured-outputs-jump-forward).", s.jump_forward_tokens_total)
         if getattr(s, "max_loras", 0):
             # vLLM's shape, which LoRA-aware routers read: the adapters in the labels, the scrape time as value
             g = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on lora requests.",
