@@ -31,5 +31,7 @@ timeout 400 python3 -m pagefleet bench serve "${common[@]}" --output-len 128 --j
 echo "-- $tag, concurrency 64, json_schema on every request, max_tokens 384"
 timeout 400 python3 -m pagefleet bench serve "${common[@]}" --output-len 384 --json-schema "$schema" \
   --json-out "$out/$tag-schema.json" 2>&1 | tail -3
+[ "$eng" = pagefleet ] && curl -s http://127.0.0.1:$port/metrics \
+  | grep -E '^(vllm:generation_tokens_total|pagefleet:jump_forward_tokens_total|pagefleet:engine_steps_total)'
 kill $SERVER_PID; wait $SERVER_PID 2> /dev/null
 true
