@@ -180,8 +180,9 @@ def test_graphed_decode_with_a_grammar_matches_eager_and_syncs_as_today(smollm2_
 def test_jump_forward_chunks_replay_mixed_graphs(tiny_models, tmp_path):
     """Jump-forward (--structured-outputs-jump-forward) at 12 sequences: each step carries the forced chunks of
     several of them beside the others' decodes, up to 15 a step (one of the mixed graphs' 16 kept for a prompt);
-    such steps replay mixed graphs, more chunks than a prompt graph holds among them, and give the eager
-    engine's tokens. The tiny Llama spells JSON one character a token (bench serve's --json-chars tokenizer)."""
+    such steps replay mixed graphs, more chunks than a prompt graph holds among them, and give the tokens of the
+    same engine with its mixed graphs off (its decode graphs stay: an eager engine rounds bf16 differently in
+    its decode steps). The tiny Llama spells JSON one character a token (bench serve's --json-chars tokenizer)."""
     import shutil
 
     from pagefleet.worker.entrypoints.cli.bench_serve import write_word_tokenizer
@@ -192,11 +193,11 @@ def test_jump_forward_chunks_replay_mixed_graphs(tiny_models, tmp_path):
     write_word_tokenizer(str(model), json_chars=True)
     prompts = [list(range(100 + 9 * i, 130 + 9 * i)) for i in range(12)]
     params = SamplingParams(temperature=0.0, max_tokens=96, structured=Structured(json=SCHEMA))
-    settings = dict(dtype="bfloat16", max_model_len=512, gpu_memory_fraction=0.2, max_num_seqs=16,
-                    structured_outputs_jump_forward=True)
-    graphed = LLM(str(model), **settings)
-    mg = graphed.engine.runner.mixed_graphs
-    assert mg is not None and mg.max_chunks == MAX_CHUNKS and graphed.engine.jumps_per_step == MAX_CHUNKS - 1
+    llm = LLM(str(model), dtype="bfloat16", max_model_len=512, gpu_memory_fraction=0.2, max_num_seqs=16,
+              structured_outputs_jump_forward=True)
+    runner = llm.engine.runner
+    mg = runner.mixed_graphs
+    assert mg is not None and mg.max_chunks == MAX_CHUNKS and llm.engine.jumps_per_step == MAX_CHUNKS - 1
     chunks = []
     real_stage = mg.stage
 
@@ -205,12 +206,11 @@ def test_jump_forward_chunks_replay_mixed_graphs(tiny_models, tmp_path):
         return real_stage(step, feed)
 
     mg.stage = stage
-    got = [o.outputs[0] for o in graphed.generate(prompts, params)]
-    assert graphed.engine.jump_forward_tokens_total > 0 and max(chunks) > MAX_SEQS, chunks
-    del graphed, mg
-    torch.cuda.empty_cache()
-    eager = LLM(str(model), enforce_eager=True, **settings)
-    want = [o.outputs[0] for o in eager.generate(prompts, params)]
+    jumped = llm.engine.jump_forward_tokens_total
+    got = [o.outputs[0] for o in llm.generate(prompts, params)]
+    assert llm.engine.jump_forward_tokens_total > jumped and max(chunks) > MAX_SEQS, chunks
+    runner.mixed_graphs = None
+    want = [o.outputs[0] for o in llm.generate(prompts, params)]
     assert [c.token_ids for c in got] == [c.token_ids for c in want]
     for c in got:
         assert c.finish_reason == "stop", c.text
