@@ -12,6 +12,7 @@ import dataclasses
 import hmac
 import logging
 import re
+from collections import OrderedDict
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -50,6 +51,7 @@ from pagefleet.worker.entrypoints.tokenizing import AsyncTokenizer
 from pagefleet.worker.entrypoints.tool_parsers import ToolParser, tool_parser
 
 log = logging.getLogger("pagefleet.server")
+REQUEST_TEMPLATES_KEPT = 16  # requests' own chat templates kept parsed (--trust-request-chat-template)
 
 PROBE_PATHS = ("/health", "/ready", "/load", "/metrics")
 OPEN_PATHS = PROBE_PATHS + ("/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc")
@@ -72,7 +74,8 @@ class ServerState:
 
     def __init__(self, engine, served_model_names: list[str], api_key: str | None, max_queue: int,
                  tool_call_parser: str | None = None, enable_auto_tool_choice: bool = False,
-                 reasoning_parser: str | None = None, exclude_tools_when_tool_choice_none: bool = False):
+                 reasoning_parser: str | None = None, exclude_tools_when_tool_choice_none: bool = False,
+                 chat_template: str | None = None, trust_request_chat_template: bool = False):
         self.engine = engine
         self.served_model_names = served_model_names
         self.model_name = served_model_names[0]
@@ -109,7 +112,27 @@ class ServerState:
                             "constrain the reply from its first token (no room to reason first)",
                             reasoning_parser, END)
         self.exclude_tools_when_tool_choice_none = exclude_tools_when_tool_choice_none
-        self.chat_template = ChatTemplate(self.tokenizer, self.tool_parser)
+        # --chat-template: in place of the checkpoint's (the tokenizer itself is the engine's, left as it is)
+        self.chat_template = ChatTemplate(self.tokenizer, self.tool_parser, chat_template)
+        self.trust_request_chat_template = trust_request_chat_template
+        self._request_templates: OrderedDict[str, ChatTemplate] = OrderedDict()  # requests' own, parsed once
+
+    def template_for(self, chat_template: str | None) -> ChatTemplate:
+        """The server's template, or a request's own chat_template where the server trusts them (a 400 else)."""
+        if chat_template is None:
+            return self.chat_template
+        if not self.trust_request_chat_template:
+            raise APIError(400, "chat_template was given with the request, but this server does not take templates "
+                           "from requests; start it with --trust-request-chat-template to allow them.",
+                           param="chat_template")
+        template = self._request_templates.get(chat_template)
+        if template is None:
+            template = self._request_templates[chat_template] = ChatTemplate(self.tokenizer, self.tool_parser,
+                                                                             chat_template)
+            if len(self._request_templates) > REQUEST_TEMPLATES_KEPT:
+                self._request_templates.popitem(last=False)
+        self._request_templates.move_to_end(chat_template)
+        return template
 
     def check_model(self, model: str | None) -> str:
         if model is None:
@@ -168,9 +191,10 @@ class ServerState:
                            f"{max_tokens or 1} to generate).", param=param, code="context_length_exceeded")
 
     def chat_prompt(self, messages, add_generation_prompt: bool = True, continue_final_message: bool = False,
-                    template_kwargs: dict | None = None) -> list[int]:
-        return self.chat_template.render(messages, add_generation_prompt, continue_final_message=continue_final_message,
-                                         template_kwargs=template_kwargs)[1]
+                    template_kwargs: dict | None = None, chat_template: str | None = None) -> list[int]:
+        return self.template_for(chat_template).render(messages, add_generation_prompt,
+                                                       continue_final_message=continue_final_message,
+                                                       template_kwargs=template_kwargs)[1]
 
     def after_reasoning(self, structured: StructuredOutputsParams | None, reply_prompt_ids: list[int]):
         """The request's constraint, gated on the reasoning end token where the server has a reasoning parser
@@ -214,14 +238,17 @@ class _Gate:
 def build_app(engine, served_model_name: str | list[str] | None = None, api_key: str | None = None,
               max_queue: int = 1024, enable_rl_endpoints: bool = False, tool_call_parser: str | None = None,
               enable_auto_tool_choice: bool = False, reasoning_parser: str | None = None,
-              exclude_tools_when_tool_choice_none: bool = False) -> FastAPI:
+              exclude_tools_when_tool_choice_none: bool = False, chat_template: str | None = None,
+              trust_request_chat_template: bool = False) -> FastAPI:
     """The FastAPI app over a loaded AsyncLLMEngine; `app.state.server` is the shared ServerState.
     enable_rl_endpoints: the weight update, pause and sleep routes (rl_api.py); without it they do not exist.
-    tool_call_parser / enable_auto_tool_choice / reasoning_parser / exclude_tools_when_tool_choice_none: as vLLM's
-    flags of those names."""
+    tool_call_parser / enable_auto_tool_choice / reasoning_parser / exclude_tools_when_tool_choice_none /
+    trust_request_chat_template: as vLLM's flags of those names; chat_template: --chat-template's template text
+    (chat_template.load_chat_template)."""
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or [])
     state = ServerState(engine, names or [engine.model_name], api_key, max_queue, tool_call_parser,
-                        enable_auto_tool_choice, reasoning_parser, exclude_tools_when_tool_choice_none)
+                        enable_auto_tool_choice, reasoning_parser, exclude_tools_when_tool_choice_none,
+                        chat_template, trust_request_chat_template)
     app = FastAPI(title="pagefleet worker", version="0.1.0")
     app.state.server = state
     app.add_middleware(_Gate, state=state)
@@ -319,15 +346,16 @@ def build_app(engine, served_model_name: str | list[str] | None = None, api_key:
         if parser is not None and not parser.skip_special_tokens:
             params.skip_special_tokens = False  # the format's marker is a special token
         shown = prompt_tools(tools, mode, state.exclude_tools_when_tool_choice_none)
-        text = state.chat_template.render_text(body.messages, body.add_generation_prompt, shown,
-                                               body.continue_final_message, body.chat_template_kwargs)
+        template = state.template_for(body.chat_template)
+        text = template.render_text(body.messages, body.add_generation_prompt, shown, body.continue_final_message,
+                                    body.chat_template_kwargs)
         ids = await state.prompts.encode(text, add_special_tokens=False)
         ids = state.truncate(ids, body, max_tokens)
         state.check_prompt(ids, max_tokens, "messages")
         if params.structured is not None and state.think_end_id is not None:
             # the reply's own part of the prompt decides: a closed think block in an earlier turn does not count
-            reply_prompt = state.chat_template.generation_prompt(body.messages, shown, text,
-                                                                 body.continue_final_message, body.chat_template_kwargs)
+            reply_prompt = template.generation_prompt(body.messages, shown, text, body.continue_final_message,
+                                                      body.chat_template_kwargs)
             params.structured = state.after_reasoning(
                 params.structured, state.tokenizer.encode(reply_prompt, add_special_tokens=False))
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -361,7 +389,7 @@ def build_app(engine, served_model_name: str | list[str] | None = None, api_key:
             ids = state.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         else:
             ids = state.chat_prompt(body.messages, body.add_generation_prompt, body.continue_final_message,
-                                    body.chat_template_kwargs)
+                                    body.chat_template_kwargs, body.chat_template)
         return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids}
 
     @app.post("/detokenize", responses=ERROR_RESPONSES)

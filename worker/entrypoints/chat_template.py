@@ -3,7 +3,9 @@
 Templates that know tools get them as apply_chat_template(tools=...); others get them as a system message in the
 tool parser's format, and earlier calls written into the assistant turns. A request's chat_template_kwargs (vLLM's
 field: Qwen3's `enable_thinking`) reach the template when it reads them; a name it never reads is a 400, so a
-misspelt switch is not silently dropped.
+misspelt switch is not silently dropped. The server's --chat-template is used in place of the tokenizer's
+template; a request's own chat_template (vLLM's field) is used only where the server trusts request templates
+(--trust-request-chat-template, as in vLLM): a template is a program the server runs for the caller.
 """
 
 from __future__ import annotations
@@ -21,14 +23,25 @@ log = logging.getLogger(__name__)
 class ChatTemplate:
     """The tokenizer's chat template, with the tool parser's format for the templates that lack tools."""
 
-    def __init__(self, tokenizer, tool_parser):
+    def __init__(self, tokenizer, tool_parser, template: str | None = None):
+        """template: a Jinja chat template used in place of the tokenizer's (the server's --chat-template, or a
+        request's chat_template); it is compiled here, so one that does not parse is a 400 naming chat_template."""
         self.tokenizer = tokenizer
         self.tool_parser = tool_parser
-        template = tokenizer.chat_template
-        template = json.dumps(template) if not isinstance(template, str) else template
-        self.renders_tools = "tools" in template
-        self.renders_calls = "tool_calls" in template
-        self.variables = template_variables(tokenizer.chat_template)
+        self.template = template  # None: the tokenizer's
+        if template is not None:
+            try:
+                from transformers.utils.chat_template_utils import _compile_jinja_template
+
+                _compile_jinja_template(template)
+            except Exception as e:
+                raise APIError(400, f"chat_template is not a valid Jinja template: {e}",
+                               param="chat_template") from None
+        source = tokenizer.chat_template if template is None else template
+        text = json.dumps(source) if not isinstance(source, str) else source
+        self.renders_tools = "tools" in text
+        self.renders_calls = "tool_calls" in text
+        self.variables = template_variables(source)
 
     def render(self, messages, add_generation_prompt: bool = True, tools: list[dict] | None = None,
                continue_final_message: bool = False,
@@ -81,6 +94,8 @@ class ChatTemplate:
     def _apply(self, dicts: list[dict], add_generation_prompt: bool, kwargs: dict,
                continue_final_message: bool = False) -> str:
         try:
+            if self.template is not None:
+                kwargs = {**kwargs, "chat_template": self.template}
             return self.tokenizer.apply_chat_template(dicts, tokenize=False,
                                                       add_generation_prompt=add_generation_prompt,
                                                       continue_final_message=continue_final_message, **kwargs)
@@ -103,6 +118,28 @@ class ChatTemplate:
         if dicts and dicts[0]["role"] in ("system", "developer"):
             return [{**dicts[0], "content": dicts[0]["content"] + "\n\n" + text}] + dicts[1:]
         return [{"role": "system", "content": text}] + dicts
+
+
+def load_chat_template(value: str) -> str:
+    """--chat-template's value as a template: a file's text, or the value itself where it is a template written
+    inline (it holds Jinja's braces), as vLLM reads that flag. ValueError for a path that is not a file or a
+    template that does not parse."""
+    import os
+
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            template = f.read()
+    elif "{{" in value or "{%" in value:
+        template = value
+    else:
+        raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template")
+    try:
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+
+        _compile_jinja_template(template)
+    except Exception as e:
+        raise ValueError(f"--chat-template {value!r} is not a valid Jinja template: {e}") from None
+    return template
 
 
 def prompt_options_error(variables: frozenset[str] | None, add_generation_prompt: bool,

@@ -164,6 +164,7 @@ class ChatCompletionRequest(_SamplingRequest):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None  # used with --trust-request-chat-template, a 400 otherwise
 
 
 class TokenizeRequest(_Request):
@@ -174,6 +175,7 @@ class TokenizeRequest(_Request):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None  # used with --trust-request-chat-template, a 400 otherwise
 
 
 class DetokenizeRequest(_Request):

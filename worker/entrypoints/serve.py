@@ -11,6 +11,7 @@ import signal
 import time
 
 from pagefleet.worker.entrypoints.api_server import ServerState, build_app
+from pagefleet.worker.entrypoints.chat_template import load_chat_template
 from pagefleet.worker.entrypoints.engine_args import add_engine_arguments, engine_config_from_args
 from pagefleet.worker.entrypoints.reasoning import REASONING_PARSERS
 from pagefleet.worker.entrypoints.tool_parsers import TOOL_PARSERS
@@ -44,6 +45,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help='leave the tools out of the prompt when tool_choice is "none" (default: rendered, as vLLM does)')
     a("--reasoning-parser", choices=REASONING_PARSERS, default=None,
       help="split a reply's <think> block into reasoning_content")
+    a("--chat-template", default=None,
+      help="a chat template (a Jinja file, or the template inline) in place of the checkpoint's")
+    a("--trust-request-chat-template", action="store_true",
+      help="let requests bring their own chat_template (a 400 without this flag, as in vLLM)")
     a("--timeout-keep-alive", type=float, default=KEEP_ALIVE_S,
       help="seconds an idle HTTP keep-alive connection stays open")
     a("--engine-process", action=argparse.BooleanOptionalAction,
@@ -109,6 +114,13 @@ def run(args: argparse.Namespace) -> int:
     if args.max_queue < 1:
         print("pagefleet serve: --max-queue must be at least 1")
         return 2
+    chat_template = None
+    if args.chat_template is not None:
+        try:
+            chat_template = load_chat_template(args.chat_template)
+        except ValueError as e:
+            print(f"pagefleet serve: {e}")
+            return 2
     modules = [m.split("=", 1) for m in args.lora_modules]
     if any(len(m) != 2 or not all(m) for m in modules) or (modules and not config.enable_lora):
         print("pagefleet serve: --lora-modules takes NAME=PATH pairs and needs --enable-lora")
@@ -133,7 +145,8 @@ def run(args: argparse.Namespace) -> int:
         api_key = args.api_key or os.environ.get("PAGEFLEET_API_KEY")  # resolved here: never shown in --help
         app = build_app(engine, args.served_model_name, api_key, args.max_queue, args.enable_rl_endpoints,
                         args.tool_call_parser, args.enable_auto_tool_choice, args.reasoning_parser,
-                        args.exclude_tools_when_tool_choice_none)
+                        args.exclude_tools_when_tool_choice_none, chat_template,
+                        args.trust_request_chat_template)
         uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                    access_log=not args.disable_access_log, timeout_graceful_shutdown=5,
                                    timeout_keep_alive=args.timeout_keep_alive)
