@@ -1,10 +1,12 @@
-"""Chat templates other than the checkpoint's: the server's --chat-template (a file or inline), and a request's
-own chat_template where the server runs with --trust-request-chat-template (a 400 naming the field otherwise,
-as in vLLM). Two apps in this process over one tiny Llama engine, driven through ASGI."""
+"""Chat prompts and replies beyond the checkpoint's template: the server's --chat-template (a file or inline), a
+request's own chat_template where the server runs with --trust-request-chat-template (a 400 naming the field
+otherwise, as in vLLM), and vLLM's chat `echo`. Two apps in this process over one tiny Llama engine, through
+ASGI."""
 
 from __future__ import annotations
 
 import argparse
+import json
 
 import httpx
 import pytest
@@ -99,3 +101,37 @@ def test_chat_template_flag_reads_a_file_or_an_inline_template(tmp_path, capsys)
     add_arguments(parser)
     assert run(parser.parse_args(["--chat-template", str(tmp_path / "missing.jinja")])) == 2  # before any engine
     assert "neither a file nor a Jinja template" in capsys.readouterr().out
+
+
+CONTINUED = [{"role": "user", "content": "Say something."}, {"role": "assistant", "content": "The answer is"}]
+
+
+def streamed_content(response: httpx.Response) -> list[str]:
+    """Each streamed chunk's content delta (empty where it has none), choice 0."""
+    out = []
+    for line in response.text.splitlines():
+        if line.startswith("data: {"):
+            choices = json.loads(line[6:])["choices"]
+            if choices:
+                out.append(choices[0]["delta"].get("content") or "")
+    return out
+
+
+async def test_chat_echo_starts_the_reply_with_the_continued_turn(trusting):
+    """vLLM's echo: the last message's content leads the reply's where it has the reply's role (a continued
+    assistant turn, add_generation_prompt false); streamed, it leads the first content delta. Otherwise the reply
+    is as without echo."""
+    body = dict(model="smol", messages=CONTINUED, add_generation_prompt=False, continue_final_message=True,
+                max_tokens=4, temperature=0, ignore_eos=True)
+    plain = (await post(trusting, "/v1/chat/completions", **body)).json()["choices"][0]["message"]["content"]
+    echoed = await post(trusting, "/v1/chat/completions", echo=True, n=2, **body)
+    assert echoed.status_code == 200, echoed.text
+    assert [c["message"]["content"] for c in echoed.json()["choices"]] == ["The answer is" + plain] * 2
+    stream = await post(trusting, "/v1/chat/completions", echo=True, stream=True, **body)
+    deltas = [d for d in streamed_content(stream) if d]
+    assert deltas[0].startswith("The answer is") and "".join(deltas) == "The answer is" + plain
+    # a reply to a user turn: the user's words are not the reply's, so nothing leads it
+    asked = dict(model="smol", messages=CONTINUED[:1], max_tokens=4, temperature=0, ignore_eos=True)
+    without = (await post(trusting, "/v1/chat/completions", **asked)).json()["choices"][0]["message"]["content"]
+    with_echo = await post(trusting, "/v1/chat/completions", echo=True, **asked)
+    assert with_echo.json()["choices"][0]["message"]["content"] == without

@@ -30,6 +30,7 @@ from pagefleet.worker.entrypoints.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
+    chat_echo,
     check_grammar,
     check_tools,
     error_body,
@@ -362,7 +363,7 @@ def build_app(engine, served_model_name: str | list[str] | None = None, api_key:
         reasoning = None
         if state.reasoning_parser is not None:
             reasoning = prompt_opens_reasoning(text[-64:])
-        output = ChatOutput(parser, reasoning)
+        output = ChatOutput(parser, reasoning, chat_echo(body))
         return await generate(state, request, True, model, [ids], params, body.stream, include_usage,
                               state.lora_for(model), output, prompt_logprobs=body.prompt_logprobs)
 

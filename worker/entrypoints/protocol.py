@@ -79,7 +79,6 @@ UNSUPPORTED: dict[str, Any] = {
     # vLLM's extensions
     "use_beam_search": _off(False), "length_penalty": _off(1.0), "logits_processors": _off([]),
     "spaces_between_special_tokens": _off(True),
-    "echo": _off(False),  # chat only: completions declare it
     "continue_final_message": _off(False), "add_generation_prompt": _off(True),
     "chat_template": _off(), "chat_template_kwargs": _off({}), "documents": _off(),  # chat's prompt
 }
@@ -165,6 +164,19 @@ class ChatCompletionRequest(_SamplingRequest):
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     chat_template: str | None = None  # used with --trust-request-chat-template, a 400 otherwise
+    # vLLM's: the reply's content starts with the last message's where that message has the reply's role (the
+    # assistant's, or with add_generation_prompt false the last message's own): a continued turn comes back whole
+    echo: bool = False
+
+
+def chat_echo(body: ChatCompletionRequest) -> str:
+    """The text a chat reply's content starts with under `echo` (vLLM's rule): the last message's content where
+    its role is the reply's, else nothing."""
+    if not body.echo or not body.messages:
+        return ""
+    role = "assistant" if body.add_generation_prompt else body.messages[-1].role
+    last = message_dicts(body.messages[-1:])[0]
+    return last["content"] if last["role"] == role else ""
 
 
 class TokenizeRequest(_Request):

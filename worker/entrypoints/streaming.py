@@ -37,13 +37,14 @@ class ChatOutput:
     """How a chat choice's text becomes its message: the reasoning split off (--reasoning-parser), then the
     tool calls parsed out of the rest (the request's tools, with the server's --tool-call-parser)."""
 
-    def __init__(self, parser=None, reasoning: bool | None = None):
+    def __init__(self, parser=None, reasoning: bool | None = None, echo: str = ""):
         self.parser = parser  # a ToolParser, or None when the request has no tools (or tool_choice none)
         self.reasoning = reasoning  # None: no reasoning parser; else whether the prompt opened the block
+        self.echo = echo  # the content every choice starts with (vLLM's chat echo: protocol.chat_echo)
 
     @property
     def plain(self) -> bool:
-        return self.parser is None and self.reasoning is None
+        return self.parser is None and self.reasoning is None and not self.echo
 
     def message(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
         """A finished choice's message and its finish reason ("tool_calls" once it called a tool)."""
@@ -52,7 +53,7 @@ class ChatOutput:
             reasoning, text = split_reasoning(text, self.reasoning, final=True)
             message["reasoning_content"] = reasoning
         content, calls = self.parser.extract(text) if self.parser is not None else (text, [])
-        message["content"] = content
+        message["content"] = self.echo + (content or "") if self.echo else content
         if calls:
             message["tool_calls"] = [c.to_openai() for c in calls]
             if finish_reason == "stop":
@@ -69,6 +70,7 @@ class _ChoiceStream:
     def __init__(self, output: ChatOutput):
         self.reasoning = ReasoningStreamer(output.reasoning) if output.reasoning is not None else None
         self.tools = output.parser.streamer() if output.parser is not None else None
+        self.echo = output.echo  # sent ahead of the first delta's content
 
     def feed(self, text: str, final: bool) -> dict:
         delta: dict = {}
@@ -80,6 +82,8 @@ class _ChoiceStream:
             text, items = self.tools.feed(text, final)
             if items:
                 delta["tool_calls"] = items
+        if self.echo:  # raw content, ahead of the model's: no reasoning or tool parser reads it
+            text, self.echo = self.echo + text, ""
         if text:
             delta["content"] = text
         return delta
