@@ -10,7 +10,11 @@ def __getattr__(name):  # LLM pulls in torch and transformers: import it only wh
         from pagefleet.worker.engine.llm import LLM
 
         return LLM
+    if name == "BeamSearchParams":
+        from pagefleet.worker.engine.beam_search import BeamSearchParams
+
+        return BeamSearchParams
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "EngineConfig", "SamplingParams", "BeamSearchParams", "RequestOutput", "CompletionOutput"]

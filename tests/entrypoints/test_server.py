@@ -403,7 +403,6 @@ REFUSED = [  # (path, fields that change what is generated and that the server d
     ("/v1/chat/completions", {"verbosity": "low"}),
     ("/v1/chat/completions", {"best_of": 3}),
     ("/v1/chat/completions", {"chat_template": "{{ messages }}"}),
-    ("/v1/completions", {"use_beam_search": True}),
     ("/v1/completions", {"allowed_token_ids": []}),
     ("/v1/completions", {"allowed_token_ids": [1, 10**7]}),
     ("/v1/completions", {"bad_words": ["  "]}),

@@ -68,6 +68,7 @@ class AsyncLLMEngine:
         self.model_name = self.engine.model_name
         self.max_model_len = self.engine.max_model_len
         self.max_num_seqs = self.engine.config.max_num_seqs
+        self.eos_token_ids = sorted(self.engine.eos_token_ids)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         # accepted but not yet seen by the loop (counts as waiting); each counter has one writer thread

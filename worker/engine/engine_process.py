@@ -255,7 +255,8 @@ def child_main() -> None:
     model_config = getattr(core, "model_config", None)
     facts = {
         "tokenizer": engine.tokenizer, "model_name": engine.model_name, "max_model_len": engine.max_model_len,
-        "max_num_seqs": engine.max_num_seqs, "block_size": core.block_manager.block_size,
+        "max_num_seqs": engine.max_num_seqs, "eos_token_ids": engine.eos_token_ids,
+        "block_size": core.block_manager.block_size,
         "num_blocks": core.block_manager.num_blocks, "vocab_size": getattr(model_config, "vocab_size", None),
         "architecture": getattr(model_config, "architecture", None), "kv_cache_dtype": core.config.kv_cache_dtype,
         "steps_maxlen": core.recent_steps.maxlen,
@@ -376,6 +377,7 @@ class EngineProcess:
         self.model_name = facts["model_name"]
         self.max_model_len = facts["max_model_len"]
         self.max_num_seqs = facts["max_num_seqs"]
+        self.eos_token_ids = facts["eos_token_ids"]
         # what api_server otherwise reads from AsyncLLMEngine.engine, the LLMEngine
         self.block_size = facts["block_size"]
         self.num_blocks = facts["num_blocks"]

@@ -11,6 +11,7 @@ from tqdm import tqdm
 from pagefleet.worker.core.config import EngineConfig
 from pagefleet.worker.core.outputs import RequestOutput
 from pagefleet.worker.core.sampling_params import SamplingParams
+from pagefleet.worker.engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from pagefleet.worker.engine.llm_engine import LLMEngine
 
 
@@ -62,6 +63,27 @@ class LLM:
         if len(all_params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(all_params)} sampling params")
         return self._run([self.encode(p) for p in prompts], all_params, use_tqdm, lora_name)
+
+    def beam_search(self, prompts: str | list[int] | Seq[str] | Seq[list[int]],
+                    params: BeamSearchParams, use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """vLLM's LLM.beam_search: each prompt's beam_width best sequences (engine/beam_search.py), best first;
+        a sequence's tokens hold the prompt and its text is the generated part. All prompts' beams step together."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        engine = self.engine
+        searches = [BeamSearch(self.encode(p), params, engine.eos_token_ids, engine.max_model_len) for p in prompts]
+        step = params.step_params()
+        bar = tqdm(total=params.max_tokens, desc="beam search", unit="step", disable=not use_tqdm)
+        while live := [s for s in searches if not s.done]:
+            requests = [(s, tokens) for s in live for tokens in s.requests()]
+            outputs = self._run([tokens for _, tokens in requests], [step] * len(requests), use_tqdm=False)
+            tops = iter(out.outputs[0].logprobs[0].top for out in outputs)
+            for s in live:
+                s.advance([next(tops) for _ in s.live])
+            bar.update()
+        bar.close()
+        decode = functools.partial(self.tokenizer.decode, skip_special_tokens=True)
+        return [BeamSearchOutput(s.results(decode)) for s in searches]
 
     def load_lora(self, name: str, path: str) -> None:
         """Load a PEFT LoRA folder under `name` (needs enable_lora=True)."""

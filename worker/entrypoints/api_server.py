@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagefleet.worker.core.sampling_params import StructuredOutputsParams
+from pagefleet.worker.entrypoints.beam_api import beam_search_params, beam_search_response, check_length_penalty
 from pagefleet.worker.entrypoints.chat_template import ChatTemplate
 from pagefleet.worker.entrypoints.lora_api import add_lora_routes
 from pagefleet.worker.entrypoints.metrics import CONTENT_TYPE, ServerMetrics
@@ -310,6 +311,12 @@ def build_app(engine, served_model_name: str | list[str] | None = None, api_key:
                                  constraint[0] if constraint else None)
         for ids in prompts:
             state.check_prompt(ids, body.max_tokens, "prompt")
+        if body.use_beam_search:
+            if body.echo:
+                raise APIError(400, "echo is not supported with use_beam_search.", param="echo")
+            beams = beam_search_params(body, params, max(map(len, prompts)), state.max_model_len, body.stream)
+            return JSONResponse(await beam_search_response(state, False, model, prompts, beams, state.lora_for(model)))
+        check_length_penalty(body)
         echo = None
         if body.echo:  # the prompt as given, token ids as their text
             echo = [x if isinstance(x, str) and body.truncate_prompt_tokens is None else state.tokenizer.decode(ids)
@@ -364,6 +371,14 @@ def build_app(engine, served_model_name: str | list[str] | None = None, api_key:
         if state.reasoning_parser is not None:
             reasoning = prompt_opens_reasoning(text[-64:])
         output = ChatOutput(parser, reasoning, chat_echo(body))
+        if body.use_beam_search:
+            if parser is not None:  # a beam's text is not parsed for calls
+                raise APIError(400, "tools are not supported with use_beam_search unless tool_choice is none.",
+                               param="tools")
+            beams = beam_search_params(body, params, len(ids), state.max_model_len, body.stream)
+            return JSONResponse(await beam_search_response(state, True, model, [ids], beams, state.lora_for(model),
+                                                           output))
+        check_length_penalty(body)
         return await generate(state, request, True, model, [ids], params, body.stream, include_usage,
                               state.lora_for(model), output, prompt_logprobs=body.prompt_logprobs)
 

@@ -77,7 +77,7 @@ UNSUPPORTED: dict[str, Any] = {
     "prediction": _off(), "audio": _off(), "modalities": _off(["text"]), "reasoning_effort": _off(),
     "web_search_options": _off(), "verbosity": _off(),
     # vLLM's extensions
-    "use_beam_search": _off(False), "length_penalty": _off(1.0), "logits_processors": _off([]),
+    "logits_processors": _off([]),
     "spaces_between_special_tokens": _off(True),
     "continue_final_message": _off(False), "add_generation_prompt": _off(True),
     "chat_template": _off(), "chat_template_kwargs": _off({}), "documents": _off(),  # chat's prompt
@@ -122,6 +122,9 @@ class _SamplingRequest(_Request):
     include_stop_str_in_output: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # vLLM's beam search (entrypoints/beam_api.py): n beams, finished ones ranked by logprob / length ** penalty
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
     # Output constraints (structured_params below): OpenAI's response_format, vLLM's structured_outputs and the
     # older guided_* fields; loosely typed here so that every rule's 400 names its exact field.
     response_format: dict[str, Any] | None = None
