@@ -236,3 +236,28 @@ def test_samples_still_to_fork_count_against_max_num_seqs():
     sched.add_forked(parent, child)
     parent.pending_forks = 0
     assert len(sched.running) <= sched.max_num_seqs
+
+
+def jumping_step(max_chunks: int | None) -> dict[str, int]:
+    """Four sequences past their prompts, each with a drawn token and five forced ones to run, and a prompt
+    waiting: each one's tokens in the next step."""
+    sched = Scheduler(BlockManager(64, 4), max_num_seqs=8, max_num_batched_tokens=256, max_chunks=max_chunks)
+    seqs = [Sequence(f"r{i}", 0, [1, 2, 3, 4], 4, SamplingParams(), None) for i in range(4)]
+    for seq in seqs:
+        sched.add(seq)
+    for seq, n in zip((batch := sched.schedule()).seqs, batch.num_new_tokens):
+        seq.num_computed_tokens += n
+    for seq in seqs:
+        seq.token_ids += [7, 8, 8, 8, 8, 8]
+        seq.jumping = True
+    sched.add(Sequence("prompt", 0, [5, 6, 7], 3, SamplingParams(), None))
+    batch = sched.schedule()
+    return dict(zip((s.request_id for s in batch.seqs), batch.num_new_tokens))
+
+
+def test_jumping_chunks_past_max_chunks_run_a_token_a_step():
+    """Jump-forward's chunks share a step's max_chunks with the prompts running and waiting; the jumping
+    sequences past them run one forced token (a later step takes the rest as a chunk)."""
+    # one chunk kept for the waiting prompt, two for the first two jumping sequences, one token for the others
+    assert jumping_step(3) == {"r0": 6, "r1": 6, "r2": 1, "r3": 1, "prompt": 3}
+    assert jumping_step(None) == {"r0": 6, "r1": 6, "r2": 6, "r3": 6, "prompt": 3}  # no graphs: no limit

@@ -123,11 +123,13 @@ def test_graphed_mixed_steps_fork_samples(tiny_models):
 
 def test_mixed_graphs_take_many_forced_chunks(tiny_models):
     """Structured outputs' jump-forward (engine/step.py), twelve constrained sequences at once: steps carry more
-    forced chunks than a prompt graph holds, replayed by the mixed graphs with the eager engine's tokens."""
+    forced chunks than a prompt graph holds, never more than the mixed graphs hold (the scheduler runs the
+    others a token at a time), replayed with the eager engine's tokens."""
     settings = dict(max_model_len=256, max_num_batched_tokens=256, max_num_seqs=16,
                     structured_outputs_jump_forward=True)
     eager_llm, llm = LLM(str(tiny_models["llama"]), **settings), LLM(str(tiny_models["llama"]), **settings)
     mg = with_mixed_graphs(llm)
+    llm.engine.scheduler.max_chunks = mg.max_chunks  # as the engine sets it over captured graphs
     chunks = []
     real_stage = mg.stage
 

@@ -179,10 +179,10 @@ def test_graphed_decode_with_a_grammar_matches_eager_and_syncs_as_today(smollm2_
 @needs_cuda
 def test_jump_forward_chunks_replay_mixed_graphs(tiny_models, tmp_path):
     """Jump-forward (--structured-outputs-jump-forward) at 12 sequences: each step carries the forced chunks of
-    several of them beside the others' decodes, up to 15 a step (one of the mixed graphs' 16 kept for a prompt);
-    such steps replay mixed graphs, more chunks than a prompt graph holds among them, and give the tokens of the
-    same engine with its mixed graphs off (its decode graphs stay: an eager engine rounds bf16 differently in
-    its decode steps). The tiny Llama spells JSON one character a token (bench serve's --json-chars tokenizer)."""
+    several of them beside the others' decodes, up to the mixed graphs' 16 (the scheduler runs the rest a token
+    at a time); such steps replay mixed graphs, more chunks than a prompt graph holds among them, and give the
+    tokens of the same engine with its mixed graphs off (its decode graphs stay: an eager engine rounds bf16
+    differently in its decode steps). The tiny Llama spells JSON one character a token (bench serve's --json-chars tokenizer)."""
     import shutil
 
     from pagefleet.worker.entrypoints.cli.bench_serve import write_word_tokenizer
@@ -197,7 +197,7 @@ def test_jump_forward_chunks_replay_mixed_graphs(tiny_models, tmp_path):
               structured_outputs_jump_forward=True)
     runner = llm.engine.runner
     mg = runner.mixed_graphs
-    assert mg is not None and mg.max_chunks == MAX_CHUNKS and llm.engine.jumps_per_step == MAX_CHUNKS - 1
+    assert mg is not None and mg.max_chunks == MAX_CHUNKS and llm.engine.scheduler.max_chunks == MAX_CHUNKS
     chunks = []
     real_stage = mg.stage
 

@@ -5,6 +5,11 @@ sequences go first (a decode costs one token, an unfinished prompt takes what is
 chunk), then waiting requests first-come-first-served. When the pool runs dry the most recently
 admitted sequence is preempted by recompute: its blocks are freed, it keeps every token it produced,
 and it goes back to the front of the queue.
+
+Structured outputs' jump-forward gives running sequences chunks of forced tokens. A step of more chunks than
+the mixed CUDA graphs hold runs eagerly, at several times the cost, so at most `max_chunks` chunks run a step:
+the prompts in flight and those waiting count first, and a jumping sequence past the rest runs one forced
+token, as it would have without the jump.
 """
 
 from __future__ import annotations
@@ -57,10 +62,14 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_chunks: int | None = None):
+        """max_chunks: the most multi-token entries a step's graphs hold (None: no limit); only jumping
+        sequences' chunks are held to it."""
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_chunks = max_chunks
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the last one is preempted first
         self.num_preemptions = 0
@@ -75,6 +84,7 @@ class Scheduler:
         stateful = bm.state is not None  # without recurrent state, chunks never end at a snapshot boundary
         seqs, counts = batch.seqs, batch.num_new_tokens
         bs, blocks = bm.block_size, bm.blocks
+        jump_chunks = None  # chunks left for jumping sequences this step, counted at the first one
         # 1. Running sequences: decodes and unfinished prompt chunks (every running sequence: kept to reads).
         for seq in list(self.running):
             if budget == 0:
@@ -83,6 +93,13 @@ class Scheduler:
                 continue
             computed, table = seq.num_computed_tokens, seq.block_table
             n = min(len(seq.token_ids) - computed, budget)
+            if n > 1 and seq.jumping and self.max_chunks is not None:
+                if jump_chunks is None:
+                    jump_chunks = self._jump_chunks()
+                if jump_chunks > 0:
+                    jump_chunks -= 1
+                else:
+                    n = 1
             if stateful:
                 n = bm.state_chunk(seq, n)
             elif n == 1 and computed < len(table) * bs and blocks[table[computed // bs]].ref_count == 1:
@@ -147,11 +164,18 @@ class Scheduler:
         _decodes_first(batch)
         return batch
 
+    def _jump_chunks(self) -> int:
+        """This step's chunks for jumping sequences: max_chunks less the prompts running or waiting (each may
+        join the step as a chunk)."""
+        prompts = sum(1 for s in self.running if s.num_computed_tokens < s.num_prompt_tokens)
+        return self.max_chunks - prompts - min(len(self.waiting), self.max_chunks)
+
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
         self.running.remove(seq)
         self.block_manager.free_sequence(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_cached_tokens = 0
+        seq.jumping = False  # its forced tokens are recomputed with the rest, a prompt's chunks
         self.waiting.appendleft(seq)
         batch.preempted.append(seq)
         self.num_preemptions += 1

@@ -40,6 +40,7 @@ class Sequence:
     # more than one only when it was held across a weight update (LLMEngine.pause("keep"))
     weight_versions: list[tuple[int, int]] = field(default_factory=list)
     grammar: object | None = None  # its output's grammar state (engine/structured_output.py): admitted once ready
+    jumping: bool = False  # forced tokens of its grammar wait to run (jump-forward): its chunk may be held back
     state_slot: int | None = None  # its slot of recurrent state (hybrid models) while it holds one
     finish_reason: str | None = None
     stop_reason: str | int | None = None

@@ -81,7 +81,9 @@ class LLMEngine(WeightUpdates):
         self.runner.sampler.eos_token_ids = sorted(self.eos_token_ids)
         self.block_manager = BlockManager(self.runner.kv.num_blocks, config.block_size, config.enable_prefix_caching,
                                           self._state_slots())
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        mixed = getattr(self.runner, "mixed_graphs", None)  # its chunk count bounds a step's jump-forward chunks
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   mixed.max_chunks if mixed is not None else None)
         self.requests: dict[str, Request] = {}
         self.emit_partial = True  # the streaming engine wants every step's progress; offline runs only the final
         self.prompt_tokens_total = 0
@@ -95,8 +97,6 @@ class LLMEngine(WeightUpdates):
         self.held: list[Sequence] = []  # arrived or not started while paused: scheduled on resume
         self.weight_groups: dict = {}
         self.structured = None  # the grammar compiler (engine/structured_output.py), made at the first structured one
-        mixed = getattr(self.runner, "mixed_graphs", None)
-        self.jumps_per_step = mixed.max_chunks - 1 if mixed is not None else None  # step.py's jump-forward limit
         self._structured_lock = threading.Lock()
 
     def _state_slots(self) -> StateSlots | None:

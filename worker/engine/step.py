@@ -65,12 +65,6 @@ class EngineStep:
 
     pending: PendingStep | None  # an overlapped step not yet read back
     _resolved_early: dict | None = None  # the previous step, resolved inside this one's launch (grammar rows)
-    # Jump-forward: sequences given forced tokens while one step is scheduled run them as prompt-like chunks in the
-    # next, and a step of more chunks than the mixed CUDA graphs hold runs eagerly (tens of ms of host time), so
-    # at most this many jump a step (None: no limit, where every step is eager anyway); one chunk stays free for
-    # an arriving prompt.
-    jumps_per_step: int | None = None
-    _jumps_left: int | None = None
 
     def step(self) -> list[RequestOutput]:
         """Schedule, launch, resolve. Steps overlap when nothing in them needs the host to see a token first:
@@ -78,7 +72,6 @@ class EngineStep:
         any other step is resolved in the call that launched it (depth 0)."""
         start = time.perf_counter()
         batch = self.scheduler.schedule()
-        self._jumps_left = self.jumps_per_step  # the forced chunks the next step takes (those made from here on)
         overlap = self.config.async_scheduling and bool(batch.seqs) and self._can_overlap(batch)
         outputs: list[RequestOutput] = self._fail_grammars(batch.failed) if batch.failed else []
         if self.pending is not None and not overlap:
@@ -162,6 +155,7 @@ class EngineStep:
                 commit(seq)
             if computed == total:  # a prompt chunk that is not the last samples nothing
                 sampling.append(seq)
+                seq.jumping = False  # its forced tokens, if any, have run
         if not sampling:
             return None, num_prefill, num_decode
         if not overlap:
@@ -327,10 +321,11 @@ class EngineStep:
     def _jump_forward(self, seq: Sequence) -> None:
         """Jump-forward (--structured-outputs-jump-forward): the tokens seq's grammar forces after its last one
         join it now, through the same text, stop-string and length rules as drawn ones, and the next step runs
-        them as one chunk and samples after them. At most max_tokens - 1 outputs (one is left to draw) and
-        max_model_len - 1 tokens. Rows whose logprobs or penalties need every token drawn on the device draw them."""
+        them as one chunk and samples after them (the scheduler runs a token a step of it while a step's chunks
+        are full). At most max_tokens - 1 outputs (one is left to draw) and max_model_len - 1 tokens. Rows
+        whose logprobs or penalties need every token drawn on the device draw them."""
         p = seq.params
-        if self._jumps_left == 0 or p.logprobs is not None or p.counts_outputs:
+        if p.logprobs is not None or p.counts_outputs:
             return
         ids = seq.token_ids
         limit = self.max_model_len - len(ids) - 1
@@ -339,8 +334,7 @@ class EngineStep:
         forced = seq.grammar.jump_forward(self.structured.forced, limit)
         if not forced:
             return
-        if self._jumps_left is not None:
-            self._jumps_left -= 1
+        seq.jumping = True  # the scheduler may run its chunk a token at a time while the graphs are full
         self.jump_forward_tokens_total += len(forced)
         for token in forced:
             self._append_token(seq, token, None, accepted=True)
