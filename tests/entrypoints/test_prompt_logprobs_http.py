@@ -218,9 +218,8 @@ async def test_bad_prompt_logprobs_are_400s(app, path, body):
     assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n"), r.text
 
 
-async def test_refused_echoes(app):
-    r = await post(app, "/v1/chat/completions", messages=MESSAGES, echo=True)
-    assert r.status_code == 400 and r.json()["error"]["param"] == "echo", r.text
+async def test_an_echo_of_the_prompt_alone_is_refused(app):
+    """Chat's echo (the continued turn) is tests/entrypoints/test_chat_template_http.py's."""
     r = await post(app, "/v1/completions", prompt=PROMPT, echo=True, max_tokens=0, logprobs=1)
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
     assert "echo" in r.json()["error"]["message"]

@@ -182,7 +182,8 @@ def test_jump_forward_chunks_replay_mixed_graphs(tiny_models, tmp_path):
     several of them beside the others' decodes, up to the mixed graphs' 16 (the scheduler runs the rest a token
     at a time); such steps replay mixed graphs, more chunks than a prompt graph holds among them, and give the
     tokens of the same engine with its mixed graphs off (its decode graphs stay: an eager engine rounds bf16
-    differently in its decode steps). The tiny Llama spells JSON one character a token (bench serve's --json-chars tokenizer)."""
+    differently in its decode steps). The tiny Llama spells JSON one character a token (bench serve's
+    --json-chars tokenizer)."""
     import shutil
 
     from pagefleet.worker.entrypoints.cli.bench_serve import write_word_tokenizer
