@@ -238,10 +238,11 @@ def test_samples_still_to_fork_count_against_max_num_seqs():
     assert len(sched.running) <= sched.max_num_seqs
 
 
-def jumping_step(max_chunks: int | None) -> dict[str, int]:
+def jumping_step(max_chunks: int | None, max_num_seqs: int = 8) -> dict[str, int]:
     """Four sequences past their prompts, each with a drawn token and five forced ones to run, and a prompt
     waiting: each one's tokens in the next step."""
-    sched = Scheduler(BlockManager(64, 4), max_num_seqs=8, max_num_batched_tokens=256, max_chunks=max_chunks)
+    sched = Scheduler(BlockManager(64, 4), max_num_seqs=max_num_seqs, max_num_batched_tokens=256,
+                      max_chunks=max_chunks)
     seqs = [Sequence(f"r{i}", 0, [1, 2, 3, 4], 4, SamplingParams(), None) for i in range(4)]
     for seq in seqs:
         sched.add(seq)
@@ -261,3 +262,5 @@ def test_jumping_chunks_past_max_chunks_run_a_token_a_step():
     # one chunk kept for the waiting prompt, two for the first two jumping sequences, one token for the others
     assert jumping_step(3) == {"r0": 6, "r1": 6, "r2": 1, "r3": 1, "prompt": 3}
     assert jumping_step(None) == {"r0": 6, "r1": 6, "r2": 6, "r3": 6, "prompt": 3}  # no graphs: no limit
+    # the sequence cap keeps the prompt waiting: it takes no chunk, so the jumping sequences get all three
+    assert jumping_step(3, max_num_seqs=4) == {"r0": 6, "r1": 6, "r2": 6, "r3": 1}

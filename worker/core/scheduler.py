@@ -8,8 +8,8 @@ and it goes back to the front of the queue.
 
 Structured outputs' jump-forward gives running sequences chunks of forced tokens. A step of more chunks than
 the mixed CUDA graphs hold runs eagerly, at several times the cost, so at most `max_chunks` chunks run a step:
-the prompts in flight and those waiting count first, and a jumping sequence past the rest runs one forced
-token, as it would have without the jump.
+the prompts in flight and those waiting that the sequence cap lets in count first, and a jumping sequence past
+the rest runs one forced token, as it would have without the jump.
 """
 
 from __future__ import annotations
@@ -165,10 +165,11 @@ class Scheduler:
         return batch
 
     def _jump_chunks(self) -> int:
-        """This step's chunks for jumping sequences: max_chunks less the prompts running or waiting (each may
-        join the step as a chunk)."""
+        """This step's chunks for jumping sequences: max_chunks less the prompts running and those waiting that
+        the sequence cap lets in (each may join the step as a chunk)."""
         prompts = sum(1 for s in self.running if s.num_computed_tokens < s.num_prompt_tokens)
-        return self.max_chunks - prompts - min(len(self.waiting), self.max_chunks)
+        admissible = max(0, self.max_num_seqs - len(self.running))
+        return self.max_chunks - prompts - min(len(self.waiting), admissible, self.max_chunks)
 
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
         self.running.remove(seq)
