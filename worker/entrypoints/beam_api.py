@@ -13,7 +13,7 @@ import time
 import uuid
 
 from pagefleet.worker.engine.beam_search import MAX_BEAM_WIDTH, BeamSearch, BeamSearchParams, BeamSearchSequence
-from pagefleet.worker.entrypoints.protocol import APIError
+from pagefleet.worker.entrypoints.protocol import APIError, usage
 
 
 def _unset(value) -> bool:
@@ -100,6 +100,4 @@ async def beam_search_response(state, chat: bool, model: str, prompts: list[list
     prompt_tokens = sum(len(ids) for ids in prompts)
     return {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex,
             "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-            "model": model, "choices": choices,
-            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                      "total_tokens": prompt_tokens + completion_tokens}}
+            "model": model, "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}

@@ -29,14 +29,8 @@ class ChatTemplate:
         self.tokenizer = tokenizer
         self.tool_parser = tool_parser
         self.template = template  # None: the tokenizer's
-        if template is not None:
-            try:
-                from transformers.utils.chat_template_utils import _compile_jinja_template
-
-                _compile_jinja_template(template)
-            except Exception as e:
-                raise APIError(400, f"chat_template is not a valid Jinja template: {e}",
-                               param="chat_template") from None
+        if template is not None and (error := template_error(template)) is not None:
+            raise APIError(400, f"chat_template is not a valid Jinja template: {error}", param="chat_template")
         source = tokenizer.chat_template if template is None else template
         text = json.dumps(source) if not isinstance(source, str) else source
         self.renders_tools = "tools" in text
@@ -133,13 +127,20 @@ def load_chat_template(value: str) -> str:
         template = value
     else:
         raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template")
-    try:
-        from transformers.utils.chat_template_utils import _compile_jinja_template
-
-        _compile_jinja_template(template)
-    except Exception as e:
-        raise ValueError(f"--chat-template {value!r} is not a valid Jinja template: {e}") from None
+    if (error := template_error(template)) is not None:
+        raise ValueError(f"--chat-template {value!r} is not a valid Jinja template: {error}")
     return template
+
+
+def template_error(template: str) -> str | None:
+    """Why transformers cannot compile the template, or None when it can."""
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    try:
+        _compile_jinja_template(template)
+    except Exception as e:  # jinja2's TemplateSyntaxError, or whatever a broken template raises
+        return str(e)
+    return None
 
 
 def prompt_options_error(variables: frozenset[str] | None, add_generation_prompt: bool,
