@@ -4,6 +4,10 @@ server's use_beam_search (entrypoints/beam_api.py) through ASGI, with its refusa
 
 from __future__ import annotations
 
+import asyncio
+import json
+import time
+
 import httpx
 import pytest
 
@@ -115,3 +119,35 @@ async def test_what_beam_search_cannot_honour_is_a_400(app, fields, param):
     r = await post(app, "/v1/completions", **{"model": "smol", "prompt": PROMPT, "n": 2, "max_tokens": 3,
                                                "use_beam_search": True, **fields})
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+async def test_a_client_that_leaves_cancels_the_search(app):
+    """A non-streamed answer has no other way to notice its client: the search stops, its beams' engine
+    requests are aborted and the slot is given back, instead of the search running to max_tokens."""
+    body = json.dumps({"model": "smol", "prompt": PROMPT, "n": 4, "max_tokens": 200, "use_beam_search": True,
+                       "ignore_eos": True}).encode()
+    sent, messages = [], []
+
+    async def receive():
+        if not sent:
+            sent.append(1)
+            return {"type": "http.request", "body": body, "more_body": False}
+        await asyncio.sleep(0.5)  # a few search steps, then the client is gone
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        messages.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"", "root_path": "",
+             "headers": [(b"content-type", b"application/json"), (b"host", b"pagefleet")],
+             "client": ("127.0.0.1", 1), "server": ("pagefleet", 80)}
+    started = time.monotonic()
+    await asyncio.wait_for(app(scope, receive, send), timeout=30)
+    assert messages[0]["status"] == 499 and time.monotonic() - started < 10
+    engine = app.state.server.engine
+    for _ in range(100):  # the aborts reach the loop thread at its next step
+        if not engine.engine.has_unfinished_requests():
+            break
+        await asyncio.sleep(0.05)
+    assert not engine.engine.has_unfinished_requests() and app.state.server.num_in_flight == 0

@@ -237,6 +237,11 @@ class _Gate:
         await self.app(scope, receive, send)
 
 
+def _beam_answer(answer: dict | None) -> Response:
+    # None: the client left mid-search (nobody reads this), as streaming.generate answers a non-streamed request.
+    return Response(status_code=499) if answer is None else JSONResponse(answer)
+
+
 def build_app(engine, served_model_name: str | list[str] | None = None, api_key: str | None = None,
               max_queue: int = 1024, enable_rl_endpoints: bool = False, tool_call_parser: str | None = None,
               enable_auto_tool_choice: bool = False, reasoning_parser: str | None = None,
@@ -315,7 +320,8 @@ def build_app(engine, served_model_name: str | list[str] | None = None, api_key:
             if body.echo:
                 raise APIError(400, "echo is not supported with use_beam_search.", param="echo")
             beams = beam_search_params(body, params, max(map(len, prompts)), state.max_model_len, body.stream)
-            return JSONResponse(await beam_search_response(state, False, model, prompts, beams, state.lora_for(model)))
+            return _beam_answer(await beam_search_response(state, request, False, model, prompts, beams,
+                                                           state.lora_for(model)))
         check_length_penalty(body)
         echo = None
         if body.echo:  # the prompt as given, token ids as their text
@@ -376,8 +382,8 @@ def build_app(engine, served_model_name: str | list[str] | None = None, api_key:
                 raise APIError(400, "tools are not supported with use_beam_search unless tool_choice is none.",
                                param="tools")
             beams = beam_search_params(body, params, len(ids), state.max_model_len, body.stream)
-            return JSONResponse(await beam_search_response(state, True, model, [ids], beams, state.lora_for(model),
-                                                           output))
+            return _beam_answer(await beam_search_response(state, request, True, model, [ids], beams,
+                                                           state.lora_for(model), output))
         check_length_penalty(body)
         return await generate(state, request, True, model, [ids], params, body.stream, include_usage,
                               state.lora_for(model), output, prompt_logprobs=body.prompt_logprobs)

@@ -74,17 +74,33 @@ async def run_beam_search(state, prompt_ids: list[int], params: BeamSearchParams
     return search.results(lambda ids: state.tokenizer.decode(ids, skip_special_tokens=True))
 
 
-async def beam_search_response(state, chat: bool, model: str, prompts: list[list[int]], params: BeamSearchParams,
-                               lora_name: str | None, output=None) -> dict:
-    """The whole answer: each prompt's beams as choices, best first (chat: through `output`, a ChatOutput)."""
+async def _client_left(request) -> None:
+    # The body is read already, so the next ASGI message is the disconnect.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def beam_search_response(state, request, chat: bool, model: str, prompts: list[list[int]],
+                               params: BeamSearchParams, lora_name: str | None, output=None) -> dict | None:
+    """The whole answer: each prompt's beams as choices, best first (chat: through `output`, a ChatOutput).
+    None when the client left first: the search is cancelled, which aborts its beams' engine requests."""
     state.admit()
     state.num_in_flight += 1
+    search = asyncio.ensure_future(asyncio.gather(*(run_beam_search(state, ids, params, lora_name)
+                                                    for ids in prompts)))
+    watcher = asyncio.ensure_future(_client_left(request))
     try:
+        await asyncio.wait((search, watcher), return_when=asyncio.FIRST_COMPLETED)
+        if not search.done():
+            return None
         try:
-            results = await asyncio.gather(*(run_beam_search(state, ids, params, lora_name) for ids in prompts))
+            results = search.result()
         except ValueError as e:
             raise APIError(400, str(e)) from None
     finally:
+        for task in (search, watcher):
+            task.cancel()
+        await asyncio.gather(search, watcher, return_exceptions=True)  # the beams' aborts run before we answer
         state.num_in_flight -= 1
     choices, completion_tokens = [], 0
     for i, beams in enumerate(results):
