@@ -135,3 +135,21 @@ async def test_chat_echo_starts_the_reply_with_the_continued_turn(trusting):
     without = (await post(trusting, "/v1/chat/completions", **asked)).json()["choices"][0]["message"]["content"]
     with_echo = await post(trusting, "/v1/chat/completions", echo=True, **asked)
     assert with_echo.json()["choices"][0]["message"]["content"] == without
+
+
+DOCS_TEMPLATE = ("{% for d in documents or [] %}<doc {{ d['title'] }}>{{ d['text'] }}</doc>{% endfor %}"
+                 "{% for m in messages %}{{ m['content'] }}{% endfor %}")
+
+
+async def test_documents_reach_a_template_that_reads_them_and_are_refused_elsewhere(engine, plain):
+    reads = build_app(engine, "smol", chat_template=DOCS_TEMPLATE)
+    docs = [{"title": "tides", "text": "the moon pulls the sea"}, {"title": "bees", "text": "bees dance"}]
+    r = await post(reads, "/v1/chat/completions", model="smol", messages=MESSAGES, documents=docs, max_tokens=2)
+    want = encode(engine, "<doc tides>the moon pulls the sea</doc><doc bees>bees dance</doc>hello there")
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(want), r.text
+    bare = await post(reads, "/v1/chat/completions", model="smol", messages=MESSAGES, max_tokens=2)
+    assert bare.json()["usage"]["prompt_tokens"] == len(encode(engine, "hello there"))
+    for app, path, body in ((plain, "/v1/chat/completions", {"messages": MESSAGES}),  # its template has none
+                            (reads, "/v1/completions", {"prompt": "hello"})):  # no template at all
+        refused = await post(app, path, model="smol", documents=docs, max_tokens=2, **body)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "documents", refused.text

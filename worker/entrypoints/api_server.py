@@ -362,14 +362,14 @@ def build_app(engine, served_model_name: str | list[str] | None = None, api_key:
         shown = prompt_tools(tools, mode, state.exclude_tools_when_tool_choice_none)
         template = state.template_for(body.chat_template)
         text = template.render_text(body.messages, body.add_generation_prompt, shown, body.continue_final_message,
-                                    body.chat_template_kwargs)
+                                    body.chat_template_kwargs, body.documents)
         ids = await state.prompts.encode(text, add_special_tokens=False)
         ids = state.truncate(ids, body, max_tokens)
         state.check_prompt(ids, max_tokens, "messages")
         if params.structured is not None and state.think_end_id is not None:
             # the reply's own part of the prompt decides: a closed think block in an earlier turn does not count
             reply_prompt = template.generation_prompt(body.messages, shown, text, body.continue_final_message,
-                                                      body.chat_template_kwargs)
+                                                      body.chat_template_kwargs, body.documents)
             params.structured = state.after_reasoning(
                 params.structured, state.tokenizer.encode(reply_prompt, add_special_tokens=False))
         include_usage = bool(body.stream_options and body.stream_options.include_usage)

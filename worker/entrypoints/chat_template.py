@@ -35,29 +35,36 @@ class ChatTemplate:
         text = json.dumps(source) if not isinstance(source, str) else source
         self.renders_tools = "tools" in text
         self.renders_calls = "tool_calls" in text
+        self.renders_documents = "documents" in text
         self.variables = template_variables(source)
 
     def render(self, messages, add_generation_prompt: bool = True, tools: list[dict] | None = None,
-               continue_final_message: bool = False,
-               template_kwargs: dict | None = None) -> tuple[str, list[int]]:
+               continue_final_message: bool = False, template_kwargs: dict | None = None,
+               documents: list[dict] | None = None) -> tuple[str, list[int]]:
         """The chat prompt as text and token ids (render_text, then encoded)."""
-        text = self.render_text(messages, add_generation_prompt, tools, continue_final_message, template_kwargs)
+        text = self.render_text(messages, add_generation_prompt, tools, continue_final_message, template_kwargs,
+                                documents)
         return text, self.tokenizer.encode(text, add_special_tokens=False)  # the template holds the special tokens
 
     def render_text(self, messages, add_generation_prompt: bool = True, tools: list[dict] | None = None,
-                    continue_final_message: bool = False, template_kwargs: dict | None = None) -> str:
+                    continue_final_message: bool = False, template_kwargs: dict | None = None,
+                    documents: list[dict] | None = None) -> str:
         """The chat prompt as text, tools rendered as the template (or the parser) writes them; encode it without
         special tokens (the template holds them, as LLM.chat does). continue_final_message: the last message is left
         open for the model to go on with (no end of turn), as in transformers and vLLM; it excludes
-        add_generation_prompt."""
+        add_generation_prompt. documents: vLLM's retrieval documents, for a template that reads `documents`
+        (Command R's, Granite's); a template that does not is a 400, since they would be dropped."""
         refused = prompt_options_error(self.variables, add_generation_prompt, continue_final_message, template_kwargs)
         if refused is not None:
             raise APIError(400, refused[1], param=refused[0])
-        dicts, kwargs = self._inputs(messages, tools, template_kwargs)
+        if documents and not self.renders_documents:
+            raise APIError(400, "documents: the chat template does not read documents, so they would not reach the "
+                           "model.", param="documents")
+        dicts, kwargs = self._inputs(messages, tools, template_kwargs, documents)
         return self._apply(dicts, add_generation_prompt, kwargs, continue_final_message)
 
     def generation_prompt(self, messages, tools: list[dict] | None, text: str, continue_final_message: bool = False,
-                          template_kwargs: dict | None = None) -> str:
+                          template_kwargs: dict | None = None, documents: list[dict] | None = None) -> str:
         """What the prompt holds of the reply (text is the prompt as rendered for it): what the template adds for
         it, the prompt past the same messages rendered without it; with continue_final_message, the prompt past
         the messages before the final one. The whole prompt where the two do not line up."""
@@ -65,17 +72,19 @@ class ChatTemplate:
             if len(messages) < 2:
                 return text
             messages = messages[:-1]
-        dicts, kwargs = self._inputs(messages, tools, template_kwargs)
+        dicts, kwargs = self._inputs(messages, tools, template_kwargs, documents)
         head = self._apply(dicts, False, kwargs)
         return text[len(head):] if text.startswith(head) else text
 
-    def _inputs(self, messages, tools: list[dict] | None,
-                template_kwargs: dict | None = None) -> tuple[list[dict], dict]:
+    def _inputs(self, messages, tools: list[dict] | None, template_kwargs: dict | None = None,
+                documents: list[dict] | None = None) -> tuple[list[dict], dict]:
         """The messages as the template takes them and its keyword arguments (template_kwargs checked by render)."""
         if not messages:
             raise APIError(400, "messages must not be empty.", param="messages")
         dicts = message_dicts(messages)
         kwargs = dict(template_kwargs or {})
+        if documents:
+            kwargs["documents"] = documents
         if not self.renders_calls:
             dicts = [self._calls_as_text(d) for d in dicts]
         if tools:

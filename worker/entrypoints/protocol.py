@@ -80,7 +80,7 @@ UNSUPPORTED: dict[str, Any] = {
     "logits_processors": _off([]),
     "spaces_between_special_tokens": _off(True),
     "continue_final_message": _off(False), "add_generation_prompt": _off(True),
-    "chat_template": _off(), "chat_template_kwargs": _off({}), "documents": _off(),  # chat's prompt
+    "chat_template": _off(), "chat_template_kwargs": _off({}), "documents": _off(),  # chat's prompt (a chat field)
 }
 
 
@@ -167,6 +167,8 @@ class ChatCompletionRequest(_SamplingRequest):
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     chat_template: str | None = None  # used with --trust-request-chat-template, a 400 otherwise
+    # vLLM's: retrieval documents (title / text dicts) for a template that reads them, a 400 for one that does not
+    documents: list[dict[str, str]] | None = None
     # vLLM's: the reply's content starts with the last message's where that message has the reply's role (the
     # assistant's, or with add_generation_prompt false the last message's own): a continued turn comes back whole
     echo: bool = False
