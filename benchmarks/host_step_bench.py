@@ -23,6 +23,8 @@ Workloads: grpo (32 prompts x n=8 samples, 128 tokens, temperature 1, a seed per
 prompts, 128 tokens, temperature 0), both offline at 256 sequences at once; rollouts (examples/grpo.py's and
 rl_bench.py grpo's settings: grpo's shape with the sampled token's logprob, logprobs=0); serve64 (64 prompts of
 ~800 tokens, 128 tokens at temperature 0.7, seeded) with every step's outputs, as a server's engine makes them.
+schema64 (64 prompts, benchmarks/structured_schema.json as a json grammar on each, up to 256 tokens at
+temperature 1, seeded): the grammar's host work (bitmask fills, matcher advances) in every step.
 Phases are medians over the steps that run at least 80 % of the workload's sequences.
 --device cuda --model DIR measures one engine on the GPU instead (CUDA graphs, overlapped steps, the real
 uploads): whether a step is bound by the host (wait near 0) or by the device, and where the host's part goes.
@@ -198,7 +200,14 @@ def workload(name: str):
     if name == "serve64":
         prompts = [[(p * 53 + i * 13) % 8000 + 100 for i in range(800 + p)] for p in range(64)]
         return prompts, [SamplingParams(temperature=0.7, max_tokens=128, seed=p, ignore_eos=True) for p in range(64)]
-    raise SystemExit(f"unknown workload {name!r}: grpo, rollouts, greedy or serve64")
+    if name == "schema64":
+        from pagefleet.worker.core.sampling_params import StructuredOutputsParams
+
+        schema = json.loads((REPO / "benchmarks" / "structured_schema.json").read_text())
+        prompts = [[(p * 53 + i * 13) % 8000 + 100 for i in range(64 + p)] for p in range(64)]
+        return prompts, [SamplingParams(temperature=1.0, max_tokens=256, seed=p,
+                                        structured=StructuredOutputsParams(json=schema)) for p in range(64)]
+    raise SystemExit(f"unknown workload {name!r}: grpo, rollouts, greedy, serve64 or schema64")
 
 
 def measure(workloads: list[str], repeats: int, device: str = "cpu", model: str | None = None) -> dict:
@@ -221,7 +230,8 @@ def measure(workloads: list[str], repeats: int, device: str = "cpu", model: str 
     for name in workloads:
         prompts, params = workload(name)
         full_batch = sum(p.n for p in params)
-        llm.engine.emit_partial = name == "serve64"  # a server's engine: every step's outputs, text after each token
+        # a server's engine: every step's outputs, text after each token
+        llm.engine.emit_partial = name in ("serve64", "schema64")
         best = None
         for r in range(repeats):
             llm.engine.block_manager.reset_prefix_cache()
