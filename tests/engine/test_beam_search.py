@@ -51,7 +51,7 @@ def test_a_beam_stops_at_max_model_len_and_bad_params_are_refused():
 
 @pytest.fixture(scope="module")
 def llm(tiny_models):
-    return LLM(str(tiny_models["llama"]), max_model_len=256)
+    return LLM(str(tiny_models["llama"]), max_model_len=256, device="cpu")  # fp32: logprobs to 1e-4
 
 
 PROMPT = list(range(300, 320))
@@ -84,7 +84,7 @@ def app(tiny_models):
     from pagefleet.worker.engine.async_engine import AsyncLLMEngine
     from pagefleet.worker.entrypoints.api_server import build_app
 
-    engine = AsyncLLMEngine(EngineConfig(model=str(tiny_models["llama"]), max_model_len=256))
+    engine = AsyncLLMEngine(EngineConfig(model=str(tiny_models["llama"]), max_model_len=256, device="cpu"))
     yield build_app(engine, "smol", chat_template="{% for m in messages %}{{ m['content'] }}{% endfor %}")
     engine.shutdown()
 

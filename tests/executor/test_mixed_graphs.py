@@ -1,6 +1,7 @@
 """Mixed graphs (worker/executor/graphs/mixed.py) on CPU: the staged, padded buffers and the graph manager's
 choice give the same tokens as eager steps that mix decodes with prompt chunks. A stand-in replays each graph's
-forward eagerly, since CPU has no CUDA graphs; tests/executor/test_engine_gpu.py captures real ones."""
+forward eagerly, since CPU has no CUDA graphs; tests/executor/test_engine_gpu.py captures real ones. The engines
+are pinned to the CPU, so a GPU machine runs these as CI does (fp32, no memory taken from the GPU tests)."""
 
 import numpy as np
 import pytest
@@ -61,7 +62,8 @@ def test_keys_and_reserve():
 
 
 def test_stage_pads_decodes_and_prompt_tokens(tiny_models):
-    llm = LLM(str(tiny_models["llama"]), max_model_len=512, max_num_batched_tokens=256, max_num_seqs=16)
+    llm = LLM(str(tiny_models["llama"]), max_model_len=512, max_num_batched_tokens=256, max_num_seqs=16,
+              device="cpu")
     mg = with_mixed_graphs(llm)
     assert mg.fits(shape(16, [16] * MAX_CHUNKS)) and not mg.fits(shape(17, [8]))
     assert not mg.fits(shape(1, [2] * (MAX_CHUNKS + 1)))
@@ -95,7 +97,7 @@ def test_graphed_mixed_steps_match_eager(tiny_models, arch, logprobs):
     prompts = [list(range(200 + 11 * i, 200 + 11 * i + n)) for i, n in enumerate(lengths)]
     params = [SamplingParams(temperature=0.0, max_tokens=5 + 3 * i, ignore_eos=True, logprobs=logprobs)
               for i in range(len(prompts))]
-    settings = dict(max_model_len=512, max_num_batched_tokens=200, max_num_seqs=4)
+    settings = dict(max_model_len=512, max_num_batched_tokens=200, max_num_seqs=4, device="cpu")
     eager_llm, llm = LLM(str(tiny_models[arch]), **settings), LLM(str(tiny_models[arch]), **settings)
     mg = with_mixed_graphs(llm)
     assert mg.keys == [(4, 64), (4, 128)]
@@ -110,7 +112,7 @@ def test_graphed_mixed_steps_match_eager(tiny_models, arch, logprobs):
 
 def test_graphed_mixed_steps_fork_samples(tiny_models):
     """A request with n=3 seeded samples forks off a prompt that finished in a graphed mixed step."""
-    settings = dict(max_model_len=512, max_num_batched_tokens=136, max_num_seqs=8)
+    settings = dict(max_model_len=512, max_num_batched_tokens=136, max_num_seqs=8, device="cpu")
     eager_llm, llm = LLM(str(tiny_models["llama"]), **settings), LLM(str(tiny_models["llama"]), **settings)
     mg = with_mixed_graphs(llm)
     prompts = [list(range(300, 420)), list(range(500, 530))]  # the second prompt's last 14 tokens: beside a decode
@@ -126,7 +128,7 @@ def test_mixed_graphs_take_many_forced_chunks(tiny_models):
     forced chunks than a prompt graph holds, never more than the mixed graphs hold (the scheduler runs the
     others a token at a time), replayed with the eager engine's tokens."""
     settings = dict(max_model_len=256, max_num_batched_tokens=256, max_num_seqs=16,
-                    structured_outputs_jump_forward=True)
+                    structured_outputs_jump_forward=True, device="cpu")
     eager_llm, llm = LLM(str(tiny_models["llama"]), **settings), LLM(str(tiny_models["llama"]), **settings)
     mg = with_mixed_graphs(llm)
     llm.engine.scheduler.max_chunks = mg.max_chunks  # as the engine sets it over captured graphs
