@@ -154,3 +154,35 @@ def test_a_stream_that_fails_goes_on_with_the_windows(tokenizer):
         update_text(decoder, seq)
     assert seq.decode_stream is False and breaks.steps == 6
     assert seq.text == want.text  # plain words: the windows restart on a character boundary
+
+
+@pytest.mark.parametrize("clean_up", [False, True])  # the Rust stream, and the windows over tokenizer.decode
+def test_spaces_between_special_tokens_false_joins_added_tokens(clean_up):
+    """vLLM's rule: with special tokens kept, an added token right after another output added token is written as
+    its own text, without the space a word-joining decoder puts before it; other tokens keep their spaces."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({"t0": 0, "hello": 1, "world": 2}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens([AddedToken("<a>", special=True), AddedToken("<b>", special=True)])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, clean_up_tokenization_spaces=clean_up)
+    a, b = tokenizer.convert_tokens_to_ids(["<a>", "<b>"])
+    decoder = text_decoder(tokenizer)
+    assert (decoder.backend is None) == clean_up
+
+    def text(ids, **params):
+        seq = Sequence("r", 0, [1], 1, SamplingParams(**params), None)  # the prompt: "hello"
+        for token in ids:
+            seq.token_ids.append(token)
+            update_text(decoder, seq)
+        late = Sequence("r", 0, [1] + ids, 1, SamplingParams(**params), None)
+        update_text(decoder, late)  # built at the end, as offline runs do
+        assert late.text == seq.text
+        return seq.text
+
+    ids = [a, b, 2, b, a]
+    assert text(ids, skip_special_tokens=False) == " <a> <b> world <b> <a>"
+    assert text(ids, skip_special_tokens=False, spaces_between_special_tokens=False) == " <a><b> world <b><a>"
+    assert text(ids, spaces_between_special_tokens=False) == " world"  # skipped: the flag has nothing to join
+    assert text([b], skip_special_tokens=False, spaces_between_special_tokens=False) == " <b>"  # after the prompt

@@ -428,6 +428,17 @@ def test_unsupported_generation_fields_get_a_400_naming_them(server, path, field
     assert r.json()["error"]["param"] == next(iter(fields))
 
 
+def test_spaces_between_special_tokens_reaches_the_engine():
+    """vLLM's spaces_between_special_tokens (a 400 before): the request's value is the engine's;
+    tests/core/test_detokenizer.py has what it does to the text."""
+    from pagefleet.worker.entrypoints.protocol import ChatCompletionRequest, CompletionRequest, sampling_params
+
+    for body in (CompletionRequest(prompt="hi", skip_special_tokens=False, spaces_between_special_tokens=False),
+                 ChatCompletionRequest(messages=CHAT["messages"], spaces_between_special_tokens=False)):
+        assert sampling_params(body, 2, None, 16, 1000).spaces_between_special_tokens is False
+    assert sampling_params(CompletionRequest(prompt="hi"), 2, None, 16, 1000).spaces_between_special_tokens
+
+
 def test_fields_that_ask_for_nothing_or_change_nothing_are_accepted(server):
     """The refused fields at their do-nothing values, and fields that change nothing generated."""
     body = {**CHAT, "max_tokens": 2, "response_format": {"type": "text"}, "tools": [], "tool_choice": "none",

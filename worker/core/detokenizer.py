@@ -9,7 +9,7 @@ instead of two decodes and their slices in Python), started where the windows st
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tokenizers.decoders import DecodeStream
 
@@ -26,6 +26,9 @@ class TextDecoder:
     # step, since no text comes to move them on.
     skipped: frozenset[int] = frozenset()
     backend: object | None = None  # the Rust tokenizer where decode is its decode: sequences step a DecodeStream
+    # added tokens (special or not) by id -> their text: spaces_between_special_tokens=False writes one straight
+    # after an added token before it, as vLLM's fast detokenizer does
+    added: dict[int, str] = field(default_factory=dict)
 
 
 def text_decoder(tokenizer) -> TextDecoder:
@@ -44,7 +47,19 @@ def text_decoder(tokenizer) -> TextDecoder:
             return backend.decode(ids, skip_special_tokens=skip)
     specials = getattr(tokenizer, "all_special_ids", None) or []
     skipped = frozenset(i for i in specials if decode([i], True) == "")
-    return TextDecoder(decode, skipped, backend)
+    added = {i: t.content for i, t in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items()}
+    return TextDecoder(decode, skipped, backend, added)
+
+
+def _joined_added(decoder: TextDecoder, seq: Sequence, k: int) -> str | None:
+    """Token k's own text where it is an added token right after an output token that is one too and the request
+    asks for no spaces between them (spaces_between_special_tokens False, special tokens kept); else None."""
+    params, ids = seq.params, seq.token_ids
+    if params.spaces_between_special_tokens or params.skip_special_tokens or k <= seq.num_prompt_tokens:
+        return None
+    if ids[k - 1] in decoder.added:
+        return decoder.added.get(ids[k])
+    return None
 
 
 def update_text(decoder: TextDecoder, seq: Sequence, end: int | None = None) -> str:
@@ -88,6 +103,8 @@ def _stream(decoder: TextDecoder, seq: Sequence, ids: list[int], end: int) -> st
         except Exception:  # as below
             return _windows_from(decoder, seq, k, end, "")
         seq.num_detokenized = end
+        if (joined := _joined_added(decoder, seq, k)) is not None:
+            piece = joined
         if piece:
             seq.text += piece
             return piece
@@ -101,6 +118,8 @@ def _stream(decoder: TextDecoder, seq: Sequence, ids: list[int], end: int) -> st
             piece = stream.step(backend, token)
         except Exception:  # the new window's text does not extend the last one's (invalid UTF-8)
             return _windows_from(decoder, seq, k, end, "".join(pieces))
+        if (joined := _joined_added(decoder, seq, k)) is not None:
+            piece = joined
         if piece:
             pieces.append(piece)
     seq.num_detokenized = max(seq.num_detokenized, end)
@@ -140,6 +159,8 @@ def _advance(decoder: TextDecoder, seq: Sequence, ids: list[int], end: int) -> s
     if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
         return ""  # an incomplete UTF-8 character: wait for the next token
     piece = new_text[len(prefix_text) :]
+    if (joined := _joined_added(decoder, seq, end - 1)) is not None:
+        piece = joined
     seq.prefix_offset, seq.read_offset = seq.read_offset, end
     seq.text += piece
     return piece

@@ -129,6 +129,9 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit before penalties and sampling
     allowed_token_ids: list[int] | None = None  # only these may be drawn (vLLM's field); None: every token
     skip_special_tokens: bool = True
+    # vLLM's: False writes an added token straight after the added token before it (no space the decoder puts
+    # between them); only with skip_special_tokens False, as in vLLM
+    spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False  # a stop string that ends the output stays in its text (vLLM's field)
     detokenize: bool = True  # False: token ids only (benchmarks); stop strings then need it on
     structured: StructuredOutputsParams | None = None  # output constrained by a grammar (json, regex, choice...)

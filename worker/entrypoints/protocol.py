@@ -78,7 +78,6 @@ UNSUPPORTED: dict[str, Any] = {
     "web_search_options": _off(), "verbosity": _off(),
     # vLLM's extensions
     "logits_processors": _off([]),
-    "spaces_between_special_tokens": _off(True),
     "continue_final_message": _off(False), "add_generation_prompt": _off(True),
     "chat_template": _off(), "chat_template_kwargs": _off({}), "documents": _off(),  # chat's prompt (a chat field)
 }
@@ -119,6 +118,7 @@ class _SamplingRequest(_Request):
     ignore_eos: bool = False
     min_tokens: int = 0
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True  # vLLM's (SamplingParams)
     include_stop_str_in_output: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -448,6 +448,7 @@ def sampling_params(req: _SamplingRequest, max_tokens: int | None, logprobs: int
         logit_bias=logit_bias,
         allowed_token_ids=req.allowed_token_ids,
         skip_special_tokens=req.skip_special_tokens,
+        spaces_between_special_tokens=req.spaces_between_special_tokens,
         include_stop_str_in_output=req.include_stop_str_in_output,
         structured=structured,
         bad_words=req.bad_words,
