@@ -40,6 +40,16 @@ def test_each_step_keeps_the_best_extensions_and_sets_finished_beams_aside():
     assert [b.tokens for b in wide.results()] == [[1, 2, EOS]]  # no length penalty: the summed logprob decides
 
 
+def test_a_beams_text_leaves_out_its_final_eos():
+    search = BeamSearch([1], BeamSearchParams(beam_width=2, max_tokens=2), [EOS], max_model_len=100)
+    search.advance([[(5, -0.1), (EOS, -0.2)]])
+    search.advance([[(EOS, -0.1), (6, -0.3)]])
+    texts = {tuple(b.output_token_ids): b.text for b in search.results(lambda ids: ",".join(map(str, ids)))}
+    # a beam that stopped at its eos is written without it (as vLLM does, whatever skip_special_tokens says); one
+    # cut by max_tokens keeps all its tokens
+    assert texts == {(5, EOS): "5", (5, 6): "5,6"}
+
+
 def test_a_beam_stops_at_max_model_len_and_bad_params_are_refused():
     search = BeamSearch([1, 2, 3], BeamSearchParams(beam_width=1, max_tokens=10), [EOS], max_model_len=4)
     search.advance([[(5, -0.1)]])
@@ -114,6 +124,7 @@ async def test_use_beam_search_answers_the_beams_best_first(app, llm):
     ({"stream": True}, "stream"), ({"logprobs": 1}, "logprobs"), ({"stop": ["x"]}, "stop"), ({"n": 11}, "n"),
     ({"presence_penalty": 0.5}, "presence_penalty"), ({"echo": True}, "echo"),
     ({"use_beam_search": False, "length_penalty": 0.5}, "length_penalty"),
+    ({"skip_special_tokens": False, "spaces_between_special_tokens": False}, "spaces_between_special_tokens"),
 ])
 async def test_what_beam_search_cannot_honour_is_a_400(app, fields, param):
     r = await post(app, "/v1/completions", **{"model": "smol", "prompt": PROMPT, "n": 2, "max_tokens": 3,

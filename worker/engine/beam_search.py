@@ -25,6 +25,7 @@ class BeamSearchParams:
     ignore_eos: bool = False
     temperature: float = 0.0  # of the step's draw; the beams follow the model's logprobs whatever it is
     length_penalty: float = 1.0
+    skip_special_tokens: bool = True  # in the beams' text (a final end-of-sequence token never is)
 
     def __post_init__(self) -> None:
         if not isinstance(self.beam_width, int) or not 1 <= self.beam_width <= MAX_BEAM_WIDTH:
@@ -107,7 +108,8 @@ class BeamSearch:
             self.live = []
 
     def results(self, decode=None) -> list[BeamSearchSequence]:
-        """The `beam_width` best beams, finished and live, best first; decode(token ids) -> their text."""
+        """The `beam_width` best beams, finished and live, best first; decode(token ids) -> their text (of the
+        generated tokens less a final eos)."""
         beams = self.completed + self.live
         for beam in self.live:
             beam.finish_reason = "length"
@@ -115,5 +117,6 @@ class BeamSearch:
         best = beams[: self.params.beam_width]
         if decode is not None:
             for beam in best:
-                beam.text = decode(beam.output_token_ids)
+                ids = beam.output_token_ids
+                beam.text = decode(ids[:-1] if beam.finish_reason == "stop" else ids)  # less its eos, as vLLM
         return best

@@ -82,7 +82,7 @@ class LLM:
                 s.advance([next(tops) for _ in s.live])
             bar.update()
         bar.close()
-        decode = functools.partial(self.tokenizer.decode, skip_special_tokens=True)
+        decode = functools.partial(self.tokenizer.decode, skip_special_tokens=params.skip_special_tokens)
         return [BeamSearchOutput(s.results(decode)) for s in searches]
 
     def load_lora(self, name: str, path: str) -> None:

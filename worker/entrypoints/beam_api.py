@@ -29,6 +29,7 @@ REFUSED_WITH_BEAMS = (
     ("presence_penalty", "presence_penalty", lambda v: v == 0.0),
     ("frequency_penalty", "frequency_penalty", lambda v: v == 0.0),
     ("repetition_penalty", "repetition_penalty", lambda v: v == 1.0),
+    ("spaces_between_special_tokens", "spaces_between_special_tokens", lambda v: v),  # a beam's text: one decode
 )
 
 
@@ -45,7 +46,7 @@ def beam_search_params(body, params, prompt_len: int, max_model_len: int, stream
             raise APIError(400, f"{param} is not supported with use_beam_search.", param=param)
     max_tokens = params.max_tokens if params.max_tokens is not None else max_model_len - prompt_len
     return BeamSearchParams(beam_width=params.n, max_tokens=max_tokens, ignore_eos=params.ignore_eos,
-                            length_penalty=body.length_penalty)
+                            length_penalty=body.length_penalty, skip_special_tokens=params.skip_special_tokens)
 
 
 def check_length_penalty(body) -> None:
@@ -71,7 +72,7 @@ async def run_beam_search(state, prompt_ids: list[int], params: BeamSearchParams
     while not search.done:
         tops = await asyncio.gather(*(one(tokens, k) for k, tokens in enumerate(search.requests())))
         search.advance(list(tops))
-    return search.results(lambda ids: state.tokenizer.decode(ids, skip_special_tokens=True))
+    return search.results(lambda ids: state.tokenizer.decode(ids, skip_special_tokens=params.skip_special_tokens))
 
 
 async def _client_left(request) -> None:
