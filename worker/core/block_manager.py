@@ -37,6 +37,12 @@ def block_hash(parent: int | None, token_ids: list[int], adapter_id: int = 0) ->
     return h.intdigest()
 
 
+def chain_root(salt: str | None) -> int | None:
+    """The parent of a sequence's first block hash: none, or its cache_salt's hash, so salted chains meet only
+    chains of the same salt (the later blocks follow from the first)."""
+    return None if salt is None else xxhash.xxh64(salt.encode()).intdigest()
+
+
 class BlockTables:
     """The block tables of the last step, kept as int32 rows (vLLM's persistent batch): the next step copies the
     row of every sequence whose table is unchanged (same `table_version`) and converts only the others, so a
@@ -194,7 +200,7 @@ class BlockManager:
         bs = self.block_size
         num_full = (seq.num_tokens - 1) // bs
         self.prefix_queries += seq.num_prompt_tokens
-        parent = None
+        parent = chain_root(seq.params.cache_salt)
         hashes = []
         for i in range(num_full):
             tokens = seq.token_ids[i * bs : (i + 1) * bs]
@@ -223,7 +229,7 @@ class BlockManager:
         full = seq.num_computed_tokens // bs
         if full <= len(seq.block_hashes) and self.state is None:  # most calls: no block filled since the last
             return
-        parent = seq.block_hashes[-1] if seq.block_hashes else None
+        parent = seq.block_hashes[-1] if seq.block_hashes else chain_root(seq.params.cache_salt)
         for i in range(len(seq.block_hashes), full):
             tokens = seq.token_ids[i * bs : (i + 1) * bs]
             h = block_hash(parent, tokens, seq.lora_id)  # an adapter's K/V differ from the base model's

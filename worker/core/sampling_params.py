@@ -132,6 +132,8 @@ class SamplingParams:
     # vLLM's: False writes an added token straight after the added token before it (no space the decoder puts
     # between them); only with skip_special_tokens False, as in vLLM
     spaces_between_special_tokens: bool = True
+    # vLLM's: mixed into the first block's hash, so only requests with the same salt share prefix cache entries
+    cache_salt: str | None = None
     include_stop_str_in_output: bool = False  # a stop string that ends the output stays in its text (vLLM's field)
     detokenize: bool = True  # False: token ids only (benchmarks); stop strings then need it on
     structured: StructuredOutputsParams | None = None  # output constrained by a grammar (json, regex, choice...)
@@ -171,6 +173,8 @@ class SamplingParams:
 
         need(isinstance(self.n, int) and 1 <= self.n <= 128, "n", f"must be an integer in [1, 128], got {self.n!r}")
         need(self.temperature >= 0.0, "temperature", f"must be >= 0, got {self.temperature}")
+        need(self.cache_salt is None or (isinstance(self.cache_salt, str) and self.cache_salt != ""), "cache_salt",
+             f"must be a non-empty string if given, got {self.cache_salt!r}")
         need(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
         need(self.top_k == -1 or self.top_k >= 0, "top_k", f"must be -1 (off), 0 (off) or positive, got {self.top_k}")
         need(0.0 <= self.min_p <= 1.0, "min_p", f"must be in [0, 1], got {self.min_p}")

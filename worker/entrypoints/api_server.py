@@ -321,7 +321,8 @@ def build_app(engine, served_model_name: str | list[str] | None = None, api_key:
                 raise APIError(400, "echo is not supported with use_beam_search.", param="echo")
             beams = beam_search_params(body, params, max(map(len, prompts)), state.max_model_len, body.stream)
             return _beam_answer(await beam_search_response(state, request, False, model, prompts, beams,
-                                                           state.lora_for(model)))
+                                                           state.lora_for(model),
+                                                           token_ids=bool(body.return_token_ids)))
         check_length_penalty(body)
         echo = None
         if body.echo:  # the prompt as given, token ids as their text
@@ -335,7 +336,7 @@ def build_app(engine, served_model_name: str | list[str] | None = None, api_key:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return await generate(state, request, False, model, prompts, params, body.stream, include_usage,
                               state.lora_for(model), prompt_params=prompt_params,
-                              prompt_logprobs=body.prompt_logprobs, echo=echo)
+                              prompt_logprobs=body.prompt_logprobs, echo=echo, body=body)
 
     @app.post("/v1/chat/completions", responses=ERROR_RESPONSES)
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -383,10 +384,11 @@ def build_app(engine, served_model_name: str | list[str] | None = None, api_key:
                                param="tools")
             beams = beam_search_params(body, params, len(ids), state.max_model_len, body.stream)
             return _beam_answer(await beam_search_response(state, request, True, model, [ids], beams,
-                                                           state.lora_for(model), output))
+                                                           state.lora_for(model), output,
+                                                           token_ids=bool(body.return_token_ids)))
         check_length_penalty(body)
         return await generate(state, request, True, model, [ids], params, body.stream, include_usage,
-                              state.lora_for(model), output, prompt_logprobs=body.prompt_logprobs)
+                              state.lora_for(model), output, prompt_logprobs=body.prompt_logprobs, body=body)
 
     @app.get("/v1/models")
     async def models():

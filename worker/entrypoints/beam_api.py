@@ -30,6 +30,7 @@ REFUSED_WITH_BEAMS = (
     ("frequency_penalty", "frequency_penalty", lambda v: v == 0.0),
     ("repetition_penalty", "repetition_penalty", lambda v: v == 1.0),
     ("spaces_between_special_tokens", "spaces_between_special_tokens", lambda v: v),  # a beam's text: one decode
+    ("cache_salt", "cache_salt", _unset),  # the beams' engine requests share the prompt's blocks unsalted
 )
 
 
@@ -82,9 +83,11 @@ async def _client_left(request) -> None:
 
 
 async def beam_search_response(state, request, chat: bool, model: str, prompts: list[list[int]],
-                               params: BeamSearchParams, lora_name: str | None, output=None) -> dict | None:
-    """The whole answer: each prompt's beams as choices, best first (chat: through `output`, a ChatOutput).
-    None when the client left first: the search is cancelled, which aborts its beams' engine requests."""
+                               params: BeamSearchParams, lora_name: str | None, output=None,
+                               token_ids: bool = False) -> dict | None:
+    """The whole answer: each prompt's beams as choices, best first (chat: through `output`, a ChatOutput), with
+    vLLM's token ids where `token_ids` (return_token_ids). None when the client left first: the search is
+    cancelled, which aborts its beams' engine requests."""
     state.admit()
     state.num_in_flight += 1
     search = asyncio.ensure_future(asyncio.gather(*(run_beam_search(state, ids, params, lora_name)
@@ -113,8 +116,15 @@ async def beam_search_response(state, request, chat: bool, model: str, prompts: 
                 c["message"], c["finish_reason"] = output.message(beam.text, beam.finish_reason)
             else:
                 c["text"] = beam.text
+                if token_ids:
+                    c["prompt_token_ids"] = prompts[i]
+            if token_ids:
+                c["token_ids"] = beam.output_token_ids
             choices.append(c)
     prompt_tokens = sum(len(ids) for ids in prompts)
-    return {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex,
-            "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-            "model": model, "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
+    answer = {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex,
+              "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+              "model": model, "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
+    if chat and token_ids:
+        answer["prompt_token_ids"] = prompts[0]
+    return answer

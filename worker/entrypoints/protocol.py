@@ -61,6 +61,7 @@ class _Request(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, each chunk's choice's usage so far
 
 
 def _off(*values):
@@ -80,6 +81,9 @@ UNSUPPORTED: dict[str, Any] = {
     "logits_processors": _off([]),
     "continue_final_message": _off(False), "add_generation_prompt": _off(True),
     "chat_template": _off(), "chat_template_kwargs": _off({}), "documents": _off(),  # chat's prompt (a chat field)
+    "prompt_embeds": _off(), "priority": _off(0), "logprob_token_ids": _off([]), "return_token_offsets": _off(False),
+    "return_prompt_text": _off(False), "kv_transfer_params": _off({}), "ec_transfer_params": _off({}),
+    "vllm_xargs": _off({}), "repetition_detection": _off(), "thinking_token_budget": _off(),
 }
 
 
@@ -122,6 +126,12 @@ class _SamplingRequest(_Request):
     include_stop_str_in_output: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # vLLM's: the choices' token ids and the prompt's beside the text (streamed: each chunk's new ones, the prompt's
+    # in a choice's first chunk); logprobs' tokens written "token_id:N"; a salt that keeps this request's prefix
+    # cache entries apart from everyone else's (tenants that must not time each other's prompts)
+    return_token_ids: bool | None = None
+    return_tokens_as_token_ids: bool | None = None
+    cache_salt: str | None = None
     # vLLM's beam search (entrypoints/beam_api.py): n beams, finished ones ranked by logprob / length ** penalty
     use_beam_search: bool = False
     length_penalty: float = 1.0
@@ -452,6 +462,7 @@ def sampling_params(req: _SamplingRequest, max_tokens: int | None, logprobs: int
         include_stop_str_in_output=req.include_stop_str_in_output,
         structured=structured,
         bad_words=req.bad_words,
+        cache_salt=req.cache_salt,
     )
     try:
         params.validate(vocab_size)

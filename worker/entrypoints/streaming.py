@@ -202,13 +202,21 @@ def _sse(obj) -> str:
 async def generate(state: ServerState, request: Request, chat: bool, model: str, prompts: list[list[int]],
                     params, stream: bool, include_usage: bool, lora_name: str | None = None,
                     output: ChatOutput | None = None, prompt_params: list | None = None,
-                    prompt_logprobs: int | None = None, echo: list[str] | None = None):
+                    prompt_logprobs: int | None = None, echo: list[str] | None = None, body=None):
     """Run one completions / chat request; returns a JSON or a server-sent-events response (prompt_params: as
     Generation takes them). prompt_logprobs: the top k of vLLM's prompt_logprobs to answer with (not streamed);
-    echo: each prompt's text, to lead its choices' text (and their logprobs, the prompt tokens')."""
+    echo: each prompt's text, to lead its choices' text (and their logprobs, the prompt tokens'). body: the
+    request, for vLLM's fields that shape the answer (return_token_ids, return_tokens_as_token_ids,
+    stream_options.continuous_usage_stats)."""
     output = output or ChatOutput()
     if include_usage and not stream:
         raise APIError(400, "stream_options is only allowed with stream=true.", param="stream_options")
+    token_ids = bool(body is not None and body.return_token_ids)
+    continuous = include_usage and bool(body.stream_options and body.stream_options.continuous_usage_stats)
+    decode_token = state.decode_token
+    if body is not None and body.return_tokens_as_token_ids:
+        def decode_token(token_id: int) -> str:  # vLLM's spelling, for tokens that do not decode on their own
+            return f"token_id:{token_id}"
     state.admit()
     request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     created, n = int(time.time()), params.n
@@ -223,8 +231,8 @@ async def generate(state: ServerState, request: Request, chat: bool, model: str,
         if not want_logprobs:
             return None
         if chat:
-            return chat_logprobs(entries or [], state.decode_token)
-        return completion_logprobs(entries or [], state.decode_token, text_offset, params.logprobs)
+            return chat_logprobs(entries or [], decode_token)
+        return completion_logprobs(entries or [], decode_token, text_offset, params.logprobs)
 
     def echoed(i: int, out, text: str, entries):
         """A choice's text and logprob entries with prompt i in front."""
@@ -264,6 +272,10 @@ async def generate(state: ServerState, request: Request, chat: bool, model: str,
                     c["text"] = text
                     if prompt_logprobs is not None:  # vLLM's place: on each choice of the prompt
                         c["prompt_logprobs"] = scored
+                    if token_ids:
+                        c["prompt_token_ids"] = prompts[i]
+                if token_ids:
+                    c["token_ids"] = list(o.token_ids)
                 choices.append(c)
         # the policy that produced the samples, for an RL trainer (SGLang reports it in its meta info)
         version = max(out.weight_version for out in final.values())
@@ -271,32 +283,36 @@ async def generate(state: ServerState, request: Request, chat: bool, model: str,
                 "weight_version": version}
         if chat and prompt_logprobs is not None:  # vLLM's place: beside the choices (a chat has one prompt)
             body["prompt_logprobs"] = scored
+        if chat and token_ids:
+            body["prompt_token_ids"] = prompts[0]
         return JSONResponse(body)
 
     chunk_head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
     extra = {"usage": None} if include_usage else {}
 
     async def events():
-        seen: dict[int, list[int]] = {}  # choice index -> [text length sent, logprobs sent]
+        seen: dict[int, list[int]] = {}  # choice index -> [text length sent, logprobs sent, token ids sent]
         finished: set[int] = set()
         echoes: set[int] = set()  # choices whose prompt is sent
+        prompt_ids_sent: set[int] = set()  # completions' choices whose prompt_token_ids are sent
         pending: list[str] = []  # events not yet written: several steps' worth go out in one write
         streams: dict[int, _ChoiceStream] = {}
         # Each chunk carries the weight version of the policy that produced it, as non-streamed bodies do.
         version = state.engine.weight_version
         try:
             if chat:  # the role first, as OpenAI does; it also sends the headers before the first token
+                ids = {"prompt_token_ids": prompts[0]} if token_ids else {}  # in the first chunk, as vLLM
                 for index in range(len(prompts) * n):
                     yield _sse({**chunk_head, "choices": [{"index": index, "delta": {"role": "assistant",
                                 "content": ""}, "logprobs": None, "finish_reason": None}], **extra,
-                                "weight_version": version})
+                                "weight_version": version, **(ids if index == 0 else {})})
             async for i, out in gen.events():
                 version = out.weight_version
                 for o in out.outputs:
                     index = i * n + o.index
                     if index in finished:
                         continue
-                    sent = seen.setdefault(index, [0, 0])
+                    sent = seen.setdefault(index, [0, 0, 0])
                     text, entries = o.text[sent[0]:], (o.logprobs or [])[sent[1]:]
                     if not text and not entries and o.finish_reason is None:
                         continue
@@ -321,7 +337,15 @@ async def generate(state: ServerState, request: Request, chat: bool, model: str,
                             continue  # held back: it may be the start of a marker
                     else:
                         c["text"] = text
-                    pending.append(_sse({**chunk_head, "choices": [c], **extra, "weight_version": version}))
+                        if token_ids and index not in prompt_ids_sent:  # in the choice's first chunk, as vLLM
+                            prompt_ids_sent.add(index)
+                            c["prompt_token_ids"] = prompts[i]
+                    if token_ids:  # those a held-back chunk did not send go with the next one
+                        c["token_ids"], sent[2] = list(o.token_ids[sent[2]:]), len(o.token_ids)
+                    usage_now = extra
+                    if continuous:  # vLLM's: this choice's prompt and its tokens so far
+                        usage_now = {"usage": usage(len(prompts[i]), len(o.token_ids))}
+                    pending.append(_sse({**chunk_head, "choices": [c], **usage_now, "weight_version": version}))
                 if pending and gen.queue.empty():  # caught up with the engine: write what we have
                     yield "".join(pending)
                     pending.clear()
