@@ -84,6 +84,8 @@ UNSUPPORTED: dict[str, Any] = {
     "prompt_embeds": _off(), "priority": _off(0), "logprob_token_ids": _off([]), "return_token_offsets": _off(False),
     "return_prompt_text": _off(False), "kv_transfer_params": _off({}), "ec_transfer_params": _off({}),
     "vllm_xargs": _off({}), "repetition_detection": _off(), "thinking_token_budget": _off(),
+    "include_reasoning": _off(True), "return_assistant_tokens_mask": _off(False),  # chat's
+    "mm_processor_kwargs": _off({}), "media_io_kwargs": _off({}),  # a text-only server
 }
 
 
