@@ -118,3 +118,28 @@ def test_tool_choice_none_leaves_the_tools_out_with_the_flag(client):
     shown = chat(client, "Weather in Rome?", max_tokens=1, tools=TOOLS,
                  tool_choice="required").usage.prompt_tokens
     assert none == plain and shown > plain + 10
+
+
+def test_include_reasoning_false_leaves_the_reasoning_out(server, client, end_id):
+    """vLLM's include_reasoning: false: the same generation, the reasoning dropped from the answer, whole and
+    streamed; the token-level fields that would show it are 400s."""
+    hide = {"include_reasoning": False}
+    kw = {"logit_bias": {str(end_id): 100}, "response_format": JSON_SCHEMA}  # reasons, ends it, then answers
+    shown = chat(client, "Count. /think", **kw).choices[0]
+    hidden = chat(client, "Count. /think", extra_body=hide, **kw).choices[0]
+    assert "reasoning_content" in shown.message.model_extra and "reasoning_content" not in hidden.message.model_extra
+    assert hidden.message.content == shown.message.content
+    jsonschema.validate(json.loads(hidden.message.content), SCHEMA)
+    still = chat(client, "Count. /think", max_tokens=10, extra_body=hide).choices[0]  # never ends its reasoning
+    assert still.message.content == "" and "reasoning_content" not in still.message.model_extra
+    streamed = ""
+    for chunk in chat(client, "Count. /think", stream=True, extra_body=hide, **kw):
+        for ch in chunk.choices:
+            assert "reasoning_content" not in (ch.delta.model_extra or {})
+            streamed += ch.delta.content or ""
+    assert streamed == hidden.message.content
+    for field, value in (("logprobs", True), ("return_token_ids", True), ("prompt_logprobs", 1)):
+        r = httpx.post(server.url + "/v1/chat/completions", headers=AUTH, json={
+            "messages": [{"role": "user", "content": "Count. /think"}], "max_tokens": 2, "include_reasoning": False,
+            field: value})
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text

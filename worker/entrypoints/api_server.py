@@ -377,7 +377,13 @@ def build_app(engine, served_model_name: str | list[str] | None = None, api_key:
         reasoning = None
         if state.reasoning_parser is not None:
             reasoning = prompt_opens_reasoning(text[-64:])
-        output = ChatOutput(parser, reasoning, chat_echo(body))
+        if not body.include_reasoning and reasoning is not None:  # the token-level fields would show it
+            for name, asks in (("logprobs", body.logprobs), ("prompt_logprobs", body.prompt_logprobs is not None),
+                               ("return_token_ids", body.return_token_ids)):
+                if asks:
+                    raise APIError(400, f"{name} would show the reasoning that include_reasoning: false leaves out; "
+                                   "ask for one of the two.", param=name)
+        output = ChatOutput(parser, reasoning, chat_echo(body), show_reasoning=body.include_reasoning)
         if body.use_beam_search:
             if parser is not None:  # a beam's text is not parsed for calls
                 raise APIError(400, "tools are not supported with use_beam_search unless tool_choice is none.",

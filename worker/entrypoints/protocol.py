@@ -84,7 +84,7 @@ UNSUPPORTED: dict[str, Any] = {
     "prompt_embeds": _off(), "priority": _off(0), "logprob_token_ids": _off([]), "return_token_offsets": _off(False),
     "return_prompt_text": _off(False), "kv_transfer_params": _off({}), "ec_transfer_params": _off({}),
     "vllm_xargs": _off({}), "repetition_detection": _off(), "thinking_token_budget": _off(),
-    "include_reasoning": _off(True), "return_assistant_tokens_mask": _off(False),  # chat's
+    "return_assistant_tokens_mask": _off(False),  # chat's
     "mm_processor_kwargs": _off({}), "media_io_kwargs": _off({}),  # a text-only server
 }
 
@@ -179,6 +179,8 @@ class ChatCompletionRequest(_SamplingRequest):
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     chat_template: str | None = None  # used with --trust-request-chat-template, a 400 otherwise
+    # vLLM's: false leaves the reasoning (--reasoning-parser) out of the answer; generation is the same
+    include_reasoning: bool = True
     # vLLM's: retrieval documents (title / text dicts) for a template that reads them, a 400 for one that does not
     documents: list[dict[str, str]] | None = None
     # vLLM's: the reply's content starts with the last message's where that message has the reply's role (the

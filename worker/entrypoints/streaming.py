@@ -37,10 +37,11 @@ class ChatOutput:
     """How a chat choice's text becomes its message: the reasoning split off (--reasoning-parser), then the
     tool calls parsed out of the rest (the request's tools, with the server's --tool-call-parser)."""
 
-    def __init__(self, parser=None, reasoning: bool | None = None, echo: str = ""):
+    def __init__(self, parser=None, reasoning: bool | None = None, echo: str = "", show_reasoning: bool = True):
         self.parser = parser  # a ToolParser, or None when the request has no tools (or tool_choice none)
         self.reasoning = reasoning  # None: no reasoning parser; else whether the prompt opened the block
         self.echo = echo  # the content every choice starts with (vLLM's chat echo: protocol.chat_echo)
+        self.show_reasoning = show_reasoning  # vLLM's include_reasoning: false splits the reasoning off and drops it
 
     @property
     def plain(self) -> bool:
@@ -51,7 +52,8 @@ class ChatOutput:
         message: dict = {"role": "assistant"}
         if self.reasoning is not None:
             reasoning, text = split_reasoning(text, self.reasoning, final=True)
-            message["reasoning_content"] = reasoning
+            if self.show_reasoning:
+                message["reasoning_content"] = reasoning
         content, calls = self.parser.extract(text) if self.parser is not None else (text, [])
         message["content"] = self.echo + (content or "") if self.echo else content
         if calls:
@@ -69,6 +71,7 @@ class _ChoiceStream:
 
     def __init__(self, output: ChatOutput):
         self.reasoning = ReasoningStreamer(output.reasoning) if output.reasoning is not None else None
+        self.show_reasoning = output.show_reasoning
         self.tools = output.parser.streamer() if output.parser is not None else None
         self.echo = output.echo  # sent ahead of the first delta's content
 
@@ -76,7 +79,7 @@ class _ChoiceStream:
         delta: dict = {}
         if self.reasoning is not None:
             reasoning, text = self.reasoning.feed(text, final)
-            if reasoning:
+            if reasoning and self.show_reasoning:
                 delta["reasoning_content"] = reasoning
         if self.tools is not None:
             text, items = self.tools.feed(text, final)
