@@ -76,8 +76,12 @@ async def test_chat_token_ids_and_ids_as_logprob_tokens(app):
         content = c["logprobs"]["content"]
         assert [e["token"] for e in content] == [f"token_id:{t}" for t in c["token_ids"]]
         assert all(t["token"].startswith("token_id:") for e in content for t in e["top_logprobs"])
-    chunks = events(await post(app, "/v1/chat/completions", stream=True, **body))
+    chunks = events(await post(app, "/v1/chat/completions", stream=True, **body,
+                               stream_options={"include_usage": True, "continuous_usage_stats": True}))
     assert "prompt_token_ids" in chunks[0] and sum("prompt_token_ids" in c for c in chunks) == 1
+    prompt_tokens = len(whole["prompt_token_ids"])
+    assert chunks[0]["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 0,
+                                  "total_tokens": prompt_tokens}  # the role chunks, as vLLM sends them
     streamed: dict[int, list[int]] = {0: [], 1: []}
     for chunk in chunks:
         for c in chunk["choices"]:

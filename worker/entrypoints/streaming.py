@@ -305,9 +305,10 @@ async def generate(state: ServerState, request: Request, chat: bool, model: str,
         try:
             if chat:  # the role first, as OpenAI does; it also sends the headers before the first token
                 ids = {"prompt_token_ids": prompts[0]} if token_ids else {}  # in the first chunk, as vLLM
+                role_usage = {"usage": usage(len(prompts[0]), 0)} if continuous else extra
                 for index in range(len(prompts) * n):
                     yield _sse({**chunk_head, "choices": [{"index": index, "delta": {"role": "assistant",
-                                "content": ""}, "logprobs": None, "finish_reason": None}], **extra,
+                                "content": ""}, "logprobs": None, "finish_reason": None}], **role_usage,
                                 "weight_version": version, **(ids if index == 0 else {})})
             async for i, out in gen.events():
                 version = out.weight_version
