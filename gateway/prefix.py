@@ -106,14 +106,17 @@ class PrefixAffinity:
         self.keys = keys  # TextKeys or TokenKeys (gateway/prefix_keys.py)
         self.index = PrefixIndex()
 
-    def lookup(self, loads: list[WorkerLoad], model: str, messages: list[dict] | None, chat: bool) -> Lookup:
+    def lookup(self, loads: list[WorkerLoad], model: str, messages: list[dict] | None, chat: bool,
+               cache_salt: str | None = None) -> Lookup:
+        """cache_salt: the request's; its chains meet only those of the same salt, as the workers' do."""
         out, by_size = Lookup(), {}
+        seed = model if cache_salt is None else f"{model}\0cache_salt\0{cache_salt}"
         for w in loads:
             if w.up is False:  # a worker that failed its probe may come back restarted, its cache empty
                 self.index.forget(w.url)
             size = w.block_size or DEFAULT_BLOCK_SIZE
             if size not in by_size:
-                by_size[size] = chain_hashes(model, self.keys.blocks(messages, chat, size))
+                by_size[size] = chain_hashes(seed, self.keys.blocks(messages, chat, size))
             chain = by_size[size]
             out.chains[w.url] = chain
             out.hits[w.url] = self.index.hit_blocks(w.url, chain) / len(chain) if chain else 0.0

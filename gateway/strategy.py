@@ -39,6 +39,13 @@ def is_chat(request_kwargs: dict | None) -> bool:
     return not (url.endswith("/completions") and not url.endswith("/chat/completions"))
 
 
+def cache_salt_of(request_kwargs: dict | None) -> str | None:
+    """The request's vLLM cache_salt (the workers share its prefix-cache entries only with the same salt)."""
+    body = ((request_kwargs or {}).get("proxy_server_request") or {}).get("body") or {}
+    salt = body.get("cache_salt") if isinstance(body, dict) else None
+    return salt if isinstance(salt, str) and salt else None
+
+
 class QueueDepthStrategy(CustomRoutingStrategyBase):
     def __init__(self, router, prober: Prober, policy: RoutingPolicy, rng: random.Random | None = None,
                  prefix: PrefixAffinity | None = None):
@@ -49,7 +56,7 @@ class QueueDepthStrategy(CustomRoutingStrategyBase):
         self.prefix = prefix  # None: queue depth and KV only
 
     def pick(self, deployments: list[dict], model: str | None = None, messages: list[dict] | None = None,
-             chat: bool = True) -> dict:
+             chat: bool = True, cache_salt: str | None = None) -> dict:
         by_url = {}
         for d in deployments:
             by_url.setdefault(worker_url_of(d), d)
@@ -59,7 +66,7 @@ class QueueDepthStrategy(CustomRoutingStrategyBase):
         lookup = None
         if self.prefix is not None:
             self.prefix.index.retain(self.prober.loads)  # workers that left take their entries with them
-            lookup = self.prefix.lookup(loads, model or "", messages, chat)
+            lookup = self.prefix.lookup(loads, model or "", messages, chat, cache_salt)
         decision = choose(loads, self.policy, self.rng, lookup.hits if lookup else None,
                           lookup.held if lookup else None)
         self.prober.note_sent(decision.url)
@@ -80,7 +87,7 @@ class QueueDepthStrategy(CustomRoutingStrategyBase):
         )
         if isinstance(healthy, dict):  # the caller named one deployment
             return healthy
-        return self.pick(healthy, model, messages, is_chat(request_kwargs))
+        return self.pick(healthy, model, messages, is_chat(request_kwargs), cache_salt_of(request_kwargs))
 
     def get_available_deployment(self, model, messages=None, input=None, specific_deployment=False,
                                  request_kwargs=None):
@@ -93,7 +100,7 @@ class QueueDepthStrategy(CustomRoutingStrategyBase):
             return healthy
         if not healthy:
             raise ValueError(f"no deployments for model {model!r}")
-        return self.pick(healthy, model, messages, is_chat(request_kwargs))
+        return self.pick(healthy, model, messages, is_chat(request_kwargs), cache_salt_of(request_kwargs))
 
 
 class WorkerFailureListener(CustomLogger):

@@ -9,7 +9,7 @@ from pagefleet.gateway.prefix import PrefixAffinity, PrefixIndex, chain_hashes, 
 from pagefleet.gateway.prefix_keys import CHARS_PER_TOKEN, TextKeys, TokenKeys, canonical_text, prompt_of
 from pagefleet.gateway.probe import Prober
 from pagefleet.gateway.routing import RoutingPolicy, WorkerLoad
-from pagefleet.gateway.strategy import QueueDepthStrategy, is_chat
+from pagefleet.gateway.strategy import QueueDepthStrategy, cache_salt_of, is_chat
 
 
 def turn(n: int) -> list[dict]:
@@ -123,6 +123,20 @@ def test_a_conversation_finds_the_worker_it_went_to():
     assert affinity.record("b", second) == (round(second.hits["b"] * len(second.chains["b"])), len(second.chains["b"]))
     assert affinity.lookup(loads, "m", turn(2), True).hits["b"] == 1.0
     assert affinity.lookup(loads, "adapter", turn(2), True).hits["b"] == 0.0
+
+
+def test_a_salted_conversation_meets_only_its_own_salt():
+    """vLLM's cache_salt: the workers share prefix-cache entries only between requests with the same salt, so the
+    index keys a salted chain by its salt too."""
+    affinity = PrefixAffinity(TextKeys())
+    loads = workers(a={}, b={})
+    affinity.record("a", affinity.lookup(loads, "m", turn(2), True, "tenant-1"))
+    assert affinity.lookup(loads, "m", turn(2), True, "tenant-1").hits["a"] == 1.0
+    assert affinity.lookup(loads, "m", turn(2), True, "tenant-2").hits["a"] == 0.0
+    assert affinity.lookup(loads, "m", turn(2), True).hits["a"] == 0.0
+    assert cache_salt_of({"proxy_server_request": {"body": {"cache_salt": "tenant-1"}}}) == "tenant-1"
+    assert cache_salt_of({"proxy_server_request": {"body": {"cache_salt": ""}}}) is None
+    assert cache_salt_of({}) is None and cache_salt_of(None) is None
 
 
 def test_a_worker_that_failed_its_probe_is_assumed_empty():
