@@ -8,11 +8,10 @@ import asyncio
 import json
 import time
 
-import httpx
 import pytest
 
+from asgi_app import post, worker_app
 from pagefleet.worker import LLM, BeamSearchParams, SamplingParams
-from pagefleet.worker.core.config import EngineConfig
 from pagefleet.worker.engine.beam_search import BeamSearch, beam_score
 
 EOS = 9
@@ -91,18 +90,9 @@ def test_wider_beams_score_as_the_model_does_and_beat_greedy(llm):
 
 @pytest.fixture(scope="module")
 def app(tiny_models):
-    from pagefleet.worker.engine.async_engine import AsyncLLMEngine
-    from pagefleet.worker.entrypoints.api_server import build_app
-
-    engine = AsyncLLMEngine(EngineConfig(model=str(tiny_models["llama"]), max_model_len=256, device="cpu"))
-    yield build_app(engine, "smol", chat_template="{% for m in messages %}{{ m['content'] }}{% endfor %}")
-    engine.shutdown()
-
-
-async def post(app, path: str, **body) -> httpx.Response:
-    transport = httpx.ASGITransport(app=app)
-    async with httpx.AsyncClient(transport=transport, base_url="http://pagefleet", timeout=60) as c:
-        return await c.post(path, json=body)
+    with worker_app(tiny_models["llama"], dict(max_model_len=256, device="cpu"),
+                    chat_template="{% for m in messages %}{{ m['content'] }}{% endfor %}") as app:
+        yield app
 
 
 async def test_use_beam_search_answers_the_beams_best_first(app, llm):

@@ -11,6 +11,7 @@ import json
 import httpx
 import pytest
 
+from asgi_app import post
 from pagefleet.worker.core.config import EngineConfig
 from pagefleet.worker.entrypoints.api_server import build_app
 from pagefleet.worker.entrypoints.chat_template import load_chat_template
@@ -39,12 +40,6 @@ def trusting(engine):
 @pytest.fixture(scope="module")
 def plain(engine):
     return build_app(engine, "smol")
-
-
-async def post(app, path: str, **body) -> httpx.Response:
-    transport = httpx.ASGITransport(app=app)
-    async with httpx.AsyncClient(transport=transport, base_url="http://pagefleet", timeout=60) as c:
-        return await c.post(path, json=body)
 
 
 def encode(engine, text: str) -> list[int]:

@@ -10,9 +10,8 @@ import json
 import httpx
 import pytest
 
+from asgi_app import post, worker_app
 from pagefleet.worker import LLM, SamplingParams
-from pagefleet.worker.core.config import EngineConfig
-from pagefleet.worker.entrypoints.api_server import build_app
 
 PROMPT = list(range(300, 340))
 CHAT = [{"role": "user", "content": "hello there"}]
@@ -20,17 +19,9 @@ CHAT = [{"role": "user", "content": "hello there"}]
 
 @pytest.fixture(scope="module")
 def app(tiny_models):
-    from pagefleet.worker.engine.async_engine import AsyncLLMEngine
-
-    engine = AsyncLLMEngine(EngineConfig(model=str(tiny_models["llama"]), max_model_len=256, device="cpu"))
-    yield build_app(engine, "smol", chat_template="{% for m in messages %}{{ m['content'] }}{% endfor %}")
-    engine.shutdown()
-
-
-async def post(app, path: str, **body) -> httpx.Response:
-    transport = httpx.ASGITransport(app=app)
-    async with httpx.AsyncClient(transport=transport, base_url="http://pagefleet", timeout=60) as c:
-        return await c.post(path, json=body)
+    with worker_app(tiny_models["llama"], dict(max_model_len=256, device="cpu"),
+                    chat_template="{% for m in messages %}{{ m['content'] }}{% endfor %}") as app:
+        yield app
 
 
 def events(r: httpx.Response) -> list[dict]:

@@ -205,7 +205,7 @@ def _sse(obj) -> str:
 async def generate(state: ServerState, request: Request, chat: bool, model: str, prompts: list[list[int]],
                     params, stream: bool, include_usage: bool, lora_name: str | None = None,
                     output: ChatOutput | None = None, prompt_params: list | None = None,
-                    prompt_logprobs: int | None = None, echo: list[str] | None = None, body=None):
+                    prompt_logprobs: int | None = None, echo: list[str] | None = None, *, body):
     """Run one completions / chat request; returns a JSON or a server-sent-events response (prompt_params: as
     Generation takes them). prompt_logprobs: the top k of vLLM's prompt_logprobs to answer with (not streamed);
     echo: each prompt's text, to lead its choices' text (and their logprobs, the prompt tokens'). body: the
@@ -214,10 +214,10 @@ async def generate(state: ServerState, request: Request, chat: bool, model: str,
     output = output or ChatOutput()
     if include_usage and not stream:
         raise APIError(400, "stream_options is only allowed with stream=true.", param="stream_options")
-    token_ids = bool(body is not None and body.return_token_ids)
-    continuous = include_usage and bool(body.stream_options and body.stream_options.continuous_usage_stats)
+    token_ids = bool(body.return_token_ids)
+    continuous = include_usage and body.stream_options.continuous_usage_stats
     decode_token = state.decode_token
-    if body is not None and body.return_tokens_as_token_ids:
+    if body.return_tokens_as_token_ids:
         def decode_token(token_id: int) -> str:  # vLLM's spelling, for tokens that do not decode on their own
             return f"token_id:{token_id}"
     state.admit()
@@ -297,7 +297,6 @@ async def generate(state: ServerState, request: Request, chat: bool, model: str,
         seen: dict[int, list[int]] = {}  # choice index -> [text length sent, logprobs sent, token ids sent]
         finished: set[int] = set()
         echoes: set[int] = set()  # choices whose prompt is sent
-        prompt_ids_sent: set[int] = set()  # completions' choices whose prompt_token_ids are sent
         pending: list[str] = []  # events not yet written: several steps' worth go out in one write
         streams: dict[int, _ChoiceStream] = {}
         # Each chunk carries the weight version of the policy that produced it, as non-streamed bodies do.
@@ -341,8 +340,7 @@ async def generate(state: ServerState, request: Request, chat: bool, model: str,
                             continue  # held back: it may be the start of a marker
                     else:
                         c["text"] = text
-                        if token_ids and index not in prompt_ids_sent:  # in the choice's first chunk, as vLLM
-                            prompt_ids_sent.add(index)
+                        if token_ids and sent[2] == 0:  # no ids sent yet: the choice's first chunk, as vLLM
                             c["prompt_token_ids"] = prompts[i]
                     if token_ids:  # those a held-back chunk did not send go with the next one
                         c["token_ids"], sent[2] = list(o.token_ids[sent[2]:]), len(o.token_ids)
