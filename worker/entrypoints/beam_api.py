@@ -14,6 +14,7 @@ import uuid
 
 from pagefleet.worker.engine.beam_search import MAX_BEAM_WIDTH, BeamSearch, BeamSearchParams, BeamSearchSequence
 from pagefleet.worker.entrypoints.protocol import APIError, usage
+from pagefleet.worker.entrypoints.streaming import client_left
 
 
 def _unset(value) -> bool:
@@ -76,12 +77,6 @@ async def run_beam_search(state, prompt_ids: list[int], params: BeamSearchParams
     return search.results(lambda ids: state.tokenizer.decode(ids, skip_special_tokens=params.skip_special_tokens))
 
 
-async def _client_left(request) -> None:
-    # The body is read already, so the next ASGI message is the disconnect.
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
 async def beam_search_response(state, request, chat: bool, model: str, prompts: list[list[int]],
                                params: BeamSearchParams, lora_name: str | None, output=None,
                                token_ids: bool = False) -> dict | None:
@@ -92,7 +87,7 @@ async def beam_search_response(state, request, chat: bool, model: str, prompts: 
     state.num_in_flight += 1
     search = asyncio.ensure_future(asyncio.gather(*(run_beam_search(state, ids, params, lora_name)
                                                     for ids in prompts)))
-    watcher = asyncio.ensure_future(_client_left(request))
+    watcher = asyncio.ensure_future(client_left(request))
     try:
         await asyncio.wait((search, watcher), return_when=asyncio.FIRST_COMPLETED)
         if not search.done():

@@ -188,14 +188,16 @@ class Generation:
         self.queue.put_nowait((None, _CLOSED))
 
 
+async def client_left(request: Request) -> None:
+    """Returns once the client disconnects. The body is read already, so the next ASGI message is the
+    disconnect; a non-streamed answer has no other way to notice that its client left."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 async def _close_on_disconnect(request: Request, gen: Generation) -> None:
-    # The body is read already, so the next ASGI message is the disconnect; a non-streaming request
-    # has no other way to notice that its client left.
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            gen.close()
-            return
+    await client_left(request)
+    gen.close()
 
 
 def _sse(obj) -> str:
