@@ -125,8 +125,22 @@ def build(layers: int | None, tiny: bool, make_every_weight_count: bool = False)
     cfg = hf_config(layers, tiny)
     start = time.time()
     torch.manual_seed(0)
-    with torch.device(device()):
-        model = Qwen3_5ForConditionalGeneration(cfg).to(torch.bfloat16).eval()
+    # float32 first, as the anchor draws it, where the card holds that copy (the 27B's 109 GB fit an H200, not an
+    # 80 GB H100); else drawn in bf16 straight away: other values, the same shapes and scales
+    dtype = torch.float32
+    if torch.cuda.is_available():
+        with torch.device("meta"):
+            need = 4 * sum(p.numel() for p in Qwen3_5ForConditionalGeneration(cfg).parameters())
+        if need > 0.9 * torch.cuda.mem_get_info()[0]:
+            dtype = torch.bfloat16
+            log(f"{need / 1e9:.0f} GB of float32 weights do not fit this card: drawing them in bf16")
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device()):
+            model = Qwen3_5ForConditionalGeneration(cfg).to(torch.bfloat16).eval()
+    finally:
+        torch.set_default_dtype(default)
     if torch.cuda.is_available():
         torch.cuda.empty_cache()  # the float32 copy's blocks: an engine beside this model sizes from free memory
     if make_every_weight_count:

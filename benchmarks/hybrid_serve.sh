@@ -4,9 +4,11 @@
 # `bench serve` at the server's default sampling (temperature 1) at the same levels. The issue's serving rows,
 # for pagefleet and vLLM 0.26 one after the other on one GPU (.peer/ set up as its README says):
 #   source .peer/side_env.sh && bash benchmarks/hybrid_serve.sh {pagefleet|vllm} OUT_DIR [DIR (/dev/shm/q36)]
+# CONCS=8,64 picks the levels; SAMPLED=0 skips vLLM's client (the sampled rows).
 # Both servers: max_model_len 2048, GPU share 0.85, each engine's serving defaults for the GPU. vLLM gets the
 # Triton GDN prefill (no FlashInfer in the bundle) and no image or video inputs.
 set -uo pipefail
+concs=${CONCS:-1,8,64}; sampled=${SAMPLED:-1}
 eng=${1:?usage: hybrid_serve.sh pagefleet-or-vllm OUT_DIR [CHECKPOINT]}; out=${2:?OUT_DIR}; ck=${3:-/dev/shm/q36}
 port=8000; log=$out/hybrid-serve-$eng.log
 mkdir -p "$out"
@@ -20,8 +22,8 @@ else
 fi
 wait_ready $port "$log"
 echo "READY $eng $(python3 -c "print(round($(date +%s.%N) - $t0, 1))") s"
-timeout 400 python3 .peer/serve_bench.py http://127.0.0.1:$port m 1,8,64 2>&1 | tail -4
-for c in 1 8 64; do
+timeout 400 python3 .peer/serve_bench.py http://127.0.0.1:$port m "$concs" 2>&1 | tail -4
+for c in $([ "$sampled" = 0 ] || echo "${concs//,/ }"); do
   echo "-- vllm bench serve, server-default sampling, concurrency $c"
   timeout 300 python3 -m vllm.entrypoints.cli.main bench serve --backend vllm --base-url http://127.0.0.1:$port \
     --model m --tokenizer "$ck" --dataset-name random --random-input-len 564 --random-output-len 128 \
