@@ -12,13 +12,15 @@ The chunked rule (kernels/gdn_chunk.py) is ~25 % of a 27B prompt step's device t
 (the same profile, 16,384-token steps). `--prefill` times its launch settings on a 16,384-token batch of the
 mixed draw's lengths (64..1024), each checked against the reference first.
 
-Usage: python3 benchmarks/gdn_tile_bench.py [--batches 64 256 376] [--bv 8 16 32 64] [--warps 1 2 4 8] [--prefill]
+Usage: python3 benchmarks/gdn_tile_bench.py [--batches 64 256 376] [--bv 8 16 32 64] [--warps 1 2 4 8]
+         [--prefill [--old OTHER_TREE/kernels/gdn_chunk.py] [--json OUT.json]]
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import random
 import time
 
@@ -32,6 +34,7 @@ HK, HV, DK, DV = 16, 48, 128, 128
 DEV = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: --dry-run under TRITON_INTERPRET=1
 PREFILL_TOKENS = 16384
 DRY = False  # --dry-run: two variants of each, tiny batches
+PREFILL_DTYPE = torch.bfloat16  # --dry-run: fp16 (the interpreter's products on bf16 operands are wrong)
 
 
 def bench_ms(fn, warmup: int, rep: int) -> float:
@@ -42,13 +45,13 @@ def bench_ms(fn, warmup: int, rep: int) -> float:
     return (time.perf_counter() - start) * 1e3
 
 
-def inputs(batch: int, slots: int, state_dtype: torch.dtype, gen: torch.Generator):
+def inputs(batch: int, slots: int, state_dtype: torch.dtype, gen: torch.Generator, dtype=torch.bfloat16):
     dev = DEV
-    qkv = torch.randn(batch, 2 * HK * DK + HV * DV, device=dev, generator=gen).bfloat16()
+    qkv = torch.randn(batch, 2 * HK * DK + HV * DV, device=dev, generator=gen).to(dtype)
     q = qkv[:, :HK * DK].view(batch, HK, DK)
     k = qkv[:, HK * DK:2 * HK * DK].view(batch, HK, DK)
     v = qkv[:, 2 * HK * DK:].view(batch, HV, DV)
-    ab = torch.randn(batch, 2 * HV, device=dev, generator=gen).bfloat16()
+    ab = torch.randn(batch, 2 * HV, device=dev, generator=gen).to(dtype)
     a, b = ab[:, :HV], ab[:, HV:]
     A_log = torch.rand(HV, device=dev, generator=gen).mul(16).add(1).log()
     dt_bias = torch.randn(HV, device=dev, generator=gen)
@@ -58,54 +61,107 @@ def inputs(batch: int, slots: int, state_dtype: torch.dtype, gen: torch.Generato
 
 
 def prefill_inputs(lens: list[int], state_dtype: torch.dtype, gen: torch.Generator):
-    q, k, v, a, b, A_log, dt_bias, state, _ = inputs(sum(lens), len(lens) + 4, state_dtype, gen)
+    q, k, v, a, b, A_log, dt_bias, state, _ = inputs(sum(lens), len(lens) + 4, state_dtype, gen, PREFILL_DTYPE)
     slots = torch.randperm(len(lens) + 4, device=DEV, generator=gen)[:len(lens)].int()
     cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=DEV)
     return q, k, v, a, b, A_log, dt_bias, state, slots, cu
 
 
-def prefill_sweep() -> None:
+PREFILL_VARIANTS = [  # (state_bv, state_warps, state_stages, split, prepare_warps)
+    (64, 4, 1, False, 4), (64, 4, 2, False, 4), (64, 8, 1, False, 4), (32, 4, 1, False, 4), (32, 2, 2, False, 4),
+    (64, 4, 1, False, 8), (64, 4, 1, True, 4), (64, 4, 2, True, 4), (32, 4, 2, True, 4), (32, 2, 2, True, 4),
+    (64, 4, 3, True, 4),
+]
+
+
+def fla_rule():
+    """vLLM's prefill rule (its copy of FLA's chunk_gated_delta_rule, the Triton backend) where vllm imports."""
+    try:
+        from vllm.third_party.flash_linear_attention.ops.chunk import chunk_gated_delta_rule
+    except Exception as e:  # noqa: BLE001 - no vLLM here: the sweep runs without the comparison
+        print(f"  (no vLLM FLA rule to compare: {type(e).__name__}: {e})", flush=True)
+        return None
+
+    def run(q, k, v, a, b, A_log, dt_bias, state, slots, cu):
+        # vLLM's path: gate, gather the slots' states ([N, Hv, Dv, Dk] there), the rule, scatter the final states
+        g, beta = ref.gdn_gating(A_log, a, dt_bias, b)
+        init = state[slots.long()].transpose(-1, -2).contiguous()
+        o, final = chunk_gated_delta_rule(q[None], k[None], v[None], g[None], beta[None], initial_state=init,
+                                          output_final_state=True, cu_seqlens=cu, use_qk_l2norm_in_kernel=True)
+        state[slots.long()] = final.transpose(-1, -2).to(state.dtype)
+        return o[0]
+    return run
+
+
+def prefill_sweep(old_path: str | None, json_out: str | None) -> None:
     """The chunked rule's launch settings: each variant against the reference on 4 sequences, then timed on a
-    16,384-token batch of mixed lengths."""
+    16,384-token batch of mixed lengths; the default, the best, the tree of --old and vLLM's rule also on a
+    serving step's 8,192 tokens (prompts of 564)."""
     gen = torch.Generator(device=DEV).manual_seed(1)
-    variants = [dict(zip(("state_bv", "state_warps", "prepare_warps"), c))
-                for c in itertools.product((32, 64, 128), (2, 4, 8), (2, 4, 8))][:2 if DRY else None]
-    default = {"state_bv": gdn_chunk.tiles(DK, DV)[1]["BV"], "state_warps": gdn_chunk.STATE_WARPS,
-               "prepare_warps": gdn_chunk.PREPARE_WARPS}
+    keys = ("state_bv", "state_warps", "state_stages", "split", "prepare_warps")
+    variants = [dict(zip(keys, c)) for c in PREFILL_VARIANTS][:2 if DRY else None]
+    default = {**{key: gdn_chunk.LAUNCH[key] for key in keys}, "state_stages": gdn_chunk.STATE_STAGES["half"]}
+    if default not in variants:
+        variants.insert(0, default)
+    rules = {str(var): (lambda *x, var=var: gdn_chunk.chunk_gated_delta_rule(*x, launch=var)) for var in variants}
+    if old_path:
+        import importlib.util
+        import sys
+        spec = importlib.util.spec_from_file_location("pagefleet.kernels._old_gdn_chunk", old_path)
+        old = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = old
+        spec.loader.exec_module(old)
+        rules["--old"] = old.chunk_gated_delta_rule
+    fla = fla_rule()
+    if fla:
+        rules["vLLM (FLA)"] = fla
     q, k, v, a, b, A_log, dt_bias, state, slots, cu = prefill_inputs([70, 1, 30] if DRY else [130, 64, 1, 300],
                                                                      torch.bfloat16, gen)
     g, beta = ref.gdn_gating(A_log, a, dt_bias, b)
     want_state = state.clone()
     want = ref.chunk_gated_delta_rule(q, k, v, g, beta, want_state, slots, cu)
     ok = []
-    for var in variants:
+    for name, rule in rules.items():
         s = state.clone()
         try:
-            o = gdn_chunk.chunk_gated_delta_rule(q, k, v, a, b, A_log, dt_bias, s, slots, cu, launch=var)
+            o = rule(q, k, v, a, b, A_log, dt_bias, s, slots, cu)
         except Exception as e:  # a tile past the shared memory a block may have does not launch
-            print(f"  {var}: does not launch ({type(e).__name__})", flush=True)
+            print(f"  {name}: does not launch ({type(e).__name__}: {str(e)[:120]})", flush=True)
             continue
         err = ((o.double() - want.double()).norm() / want.double().norm()).item()
         serr = ((s.double() - want_state.double()).norm() / want_state.double().norm()).item()
+        print(f"  {name}: error against the reference {err:.2e}, state {serr:.2e}", flush=True)
         if err < 1.5e-2 and serr < 1e-2:
-            ok.append(var)
+            ok.append(name)
         else:
-            print(f"  {var}: off the reference ({err:.3g}, state {serr:.3g})", flush=True)
+            print(f"  {name}: off the reference", flush=True)
     rng = random.Random(0)
     lens: list[int] = []
     while sum(lens) < PREFILL_TOKENS:
         lens.append(min(rng.randint(64, 1024), PREFILL_TOKENS - sum(lens)))
-    args = prefill_inputs(lens, torch.bfloat16, gen)
-    rows = []
-    for var in ok:
-        ms = bench_ms(lambda var=var: gdn_chunk.chunk_gated_delta_rule(*args, launch=var), warmup=5, rep=50)
-        rows.append((var, ms))
-        print(f"  prefill {var}: {ms * 1e3:.0f} us", flush=True)
-    base = next((ms for var, ms in rows if var == default), None)
-    best = min(rows, key=lambda r: r[1])
-    print(f"\nchunked rule, {len(lens)} sequences of {PREFILL_TOKENS:,} tokens, one layer, bf16 state: "
-          f"default {default} {base * 1e3 if base else float('nan'):.0f} us, best {best[0]} {best[1] * 1e3:.0f} us "
-          f"({len(ok)} of {len(variants)} variants launch and match)")
+    serving = [564] * (PREFILL_TOKENS // 2 // 564) + [PREFILL_TOKENS // 2 % 564]
+    mixed_args = prefill_inputs(lens, torch.bfloat16, gen)
+    serving_args = prefill_inputs(serving, torch.bfloat16, gen)
+    times = {}
+    for name in ok:
+        times[name] = bench_ms(lambda name=name: rules[name](*mixed_args), warmup=5, rep=50)
+        print(f"  {name}: {times[name] * 1e3:.0f} us", flush=True)
+    best = min((n for n in times if n.startswith("{")), key=times.get)
+    print(f"\nchunked rule, one layer, bf16 state (µs; {len(ok)} of {len(rules)} launch and match):")
+    print(f"| rule | {len(lens)} sequences, {sum(lens):,} tokens | {len(serving)} sequences, {sum(serving):,} tokens |")
+    print("|---|---|---|")
+    table = {}
+    for name in dict.fromkeys([str(default), best, "--old", "vLLM (FLA)"]):
+        if name in times:
+            t2 = bench_ms(lambda name=name: rules[name](*serving_args), warmup=5, rep=50)
+            table[name] = (round(times[name] * 1e3, 1), round(t2 * 1e3, 1))
+            label = "default " + name if name == str(default) else ("best " + name if name == best else name)
+            print(f"| {label} | {times[name] * 1e3:.0f} | {t2 * 1e3:.0f} |", flush=True)
+    if json_out:
+        launch = next(var for var in variants if str(var) == best)
+        with open(json_out, "w") as f:
+            json.dump({"best_launch": launch, "us": table, "all_mixed_us": {n: round(t * 1e3, 1)
+                                                                           for n, t in times.items()}}, f, indent=1)
 
 
 def main() -> None:
@@ -114,11 +170,14 @@ def main() -> None:
     p.add_argument("--bv", type=int, nargs="+", default=[8, 16, 32, 64])
     p.add_argument("--warps", type=int, nargs="+", default=[1, 2, 4, 8])
     p.add_argument("--prefill", action="store_true", help="then sweep the chunked rule's launch settings")
+    p.add_argument("--old", default=None, help="with --prefill: a gdn_chunk.py of another tree, timed beside")
+    p.add_argument("--json", default=None, help="with --prefill: write the timings and the best launch here")
     p.add_argument("--dry-run", action="store_true", help="CPU under TRITON_INTERPRET=1: tiny batches, one call each")
     a = p.parse_args()
     if a.dry_run:
-        global PREFILL_TOKENS, DRY, HK, HV, DK, DV  # the interpreter takes minutes a launch at the real shape
+        global PREFILL_TOKENS, DRY, PREFILL_DTYPE, HK, HV, DK, DV  # the interpreter takes minutes a launch here
         PREFILL_TOKENS, DRY, a.batches, a.bv, a.warps = 300, True, [2], a.bv[:1], a.warps[:1]
+        PREFILL_DTYPE = torch.float16
         HK, HV, DK, DV = 2, 4, 32, 32
     gen = torch.Generator(device=DEV).manual_seed(0)
     rows = []
@@ -166,7 +225,7 @@ def main() -> None:
             print(f"| {dtype} | {batch} | {base[4]:.1f} | {best[4]:.1f} | {best[2]}, {best[3]} | {best[5]:.2f} |"
                   if base else f"| {dtype} | {batch} | - | {best[4]:.1f} | {best[2]}, {best[3]} | {best[5]:.2f} |")
     if a.prefill:
-        prefill_sweep()
+        prefill_sweep(a.old, a.json)
 
 
 if __name__ == "__main__":

@@ -118,7 +118,7 @@ def test_chunk_rule_varlen(dtype):
     g, beta = ref.gdn_gating(A_log, a, dt_bias, b)
     expected = ref.chunk_gated_delta_rule(q, k, v, g, beta, expected_state, slots, cu(lens))
     close(o, expected, dtype)
-    close(state, expected_state, torch.float32)
+    close(state, expected_state, dtype)  # a half model's products take half-precision operands
     assert not o[-3:].any()
     assert torch.equal(state[[1, 2, 4]], expected_state[[1, 2, 4]])  # padding, empty and free slots untouched
 
@@ -176,6 +176,23 @@ def test_launch_settings_do_not_change_the_rule():
                                                         state, slots, block_v=16, num_warps=2)
     close(o2, o1, torch.float32)
     close(state, one, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_split_output_pass_equals_the_inline_one(dtype):
+    """launch split: the state loop stores each chunk's entering state and v', a parallel pass writes o; the
+    outputs and states are the inline loop's, padding rows included."""
+    gen = torch.Generator().manual_seed(9)
+    lens = [5, 130, 1, 64, 3]
+    q, k, v, a, b, A_log, dt_bias, state = rule_inputs(sum(lens), dtype, gen)
+    slots = torch.tensor([3, 0, 5, 2, -1], dtype=torch.int32)
+    inline_state = state.clone()
+    inline = TK["gdn_chunk"].chunk_gated_delta_rule(q, k, v, a, b, A_log, dt_bias, inline_state, slots, cu(lens))
+    split = TK["gdn_chunk"].chunk_gated_delta_rule(q, k, v, a, b, A_log, dt_bias, state, slots, cu(lens),
+                                                   launch={"split": True, "output_bv": 16, "state_bv": 16})
+    torch.testing.assert_close(split, inline, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(state, inline_state, rtol=1e-5, atol=1e-5)
+    assert not split[-3:].any()
 
 
 def test_chunk_then_recurrent_equals_recurrent_only():
