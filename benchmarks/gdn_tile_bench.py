@@ -8,9 +8,10 @@ This times kernels/gdn_recurrent.py per (value columns a program, warps) for bf1
 kernel over state slices lost this sweep on an H100 (fp32 state, batch 256: 729.2 µs a layer, 2.21 TB/s, at its best
 against the one-tile kernel's 572.8 µs, 2.81 TB/s) and lives in git history at commit 83c8c07.
 
-The chunked rule (kernels/gdn_chunk.py) is ~25 % of a 27B prompt step's device time beside the GEMMs' ~70 %
-(the same profile, 16,384-token steps). `--prefill` times its launch settings on a 16,384-token batch of the
-mixed draw's lengths (64..1024), each checked against the reference first.
+The chunked rule (kernels/gdn_chunk.py) was ~25 % of a 27B prompt step's device time beside the GEMMs' ~70 %
+(the same profile, 16,384-token steps, fp32 operands then). `--prefill` times its launch settings on a
+16,384-token batch of the mixed draw's lengths (64..1024), each checked against the reference first, beside
+vLLM's own rule where vllm imports.
 
 Usage: python3 benchmarks/gdn_tile_bench.py [--batches 64 256 376] [--bv 8 16 32 64] [--warps 1 2 4 8]
          [--prefill [--old OTHER_TREE/kernels/gdn_chunk.py] [--json OUT.json]]
@@ -67,10 +68,9 @@ def prefill_inputs(lens: list[int], state_dtype: torch.dtype, gen: torch.Generat
     return q, k, v, a, b, A_log, dt_bias, state, slots, cu
 
 
-PREFILL_VARIANTS = [  # (state_bv, state_warps, state_stages, split, prepare_warps)
-    (64, 4, 1, False, 4), (64, 4, 2, False, 4), (64, 8, 1, False, 4), (32, 4, 1, False, 4), (32, 2, 2, False, 4),
-    (64, 4, 1, False, 8), (64, 4, 1, True, 4), (64, 4, 2, True, 4), (32, 4, 2, True, 4), (32, 2, 2, True, 4),
-    (64, 4, 3, True, 4),
+PREFILL_VARIANTS = [  # (state_bv, state_warps, state_stages, prepare_warps)
+    (64, 4, 2, 4), (64, 4, 1, 4), (64, 4, 3, 4), (64, 8, 2, 4), (32, 4, 2, 4), (32, 2, 2, 4), (128, 8, 1, 4),
+    (64, 4, 2, 8),
 ]
 
 
@@ -98,7 +98,7 @@ def prefill_sweep(old_path: str | None, json_out: str | None) -> None:
     16,384-token batch of mixed lengths; the default, the best, the tree of --old and vLLM's rule also on a
     serving step's 8,192 tokens (prompts of 564)."""
     gen = torch.Generator(device=DEV).manual_seed(1)
-    keys = ("state_bv", "state_warps", "state_stages", "split", "prepare_warps")
+    keys = ("state_bv", "state_warps", "state_stages", "prepare_warps")
     variants = [dict(zip(keys, c)) for c in PREFILL_VARIANTS][:2 if DRY else None]
     default = {**{key: gdn_chunk.LAUNCH[key] for key in keys}, "state_stages": gdn_chunk.STATE_STAGES["half"]}
     if default not in variants:

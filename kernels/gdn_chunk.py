@@ -22,9 +22,9 @@ from .gdn_reference import gdn_gating
 CHUNK = 64
 # sm_90, 27B shape, bf16 (benchmarks/gdn_tile_bench.py --prefill, one layer, 28 sequences of 64..1,024 tokens,
 # 16,384 in all, H100): 4 warps for both passes, 64 value columns a state program and two pipeline stages take
-# 2,749 µs, vLLM's FLA rule 2,743 and the fp32-operand kernels before 4,659; the state loop apart from the output
-# pass (launch "split", FLA's layout) was slower at 3,225. fp32 operands keep one stage: two would not fit the
-# 227 KB of shared memory a block may have.
+# 2,749 µs, vLLM's FLA rule 2,743 and the fp32-operand kernels before 4,659. The state loop apart from a parallel
+# output pass (FLA's layout, each chunk's state stored) was slower at 3,225: commit 0782688, launch "split". fp32
+# operands keep one stage: two would not fit the 227 KB of shared memory a block may have.
 PREPARE_WARPS = 4
 STATE_WARPS = 4
 STATE_STAGES = {"half": 2, "fp32": 1}
@@ -124,12 +124,10 @@ def _qk_l2norm_kernel(q_ptr, k_ptr, qn_ptr, kn_ptr, T, stride_t, stride_h, scale
 
 
 @triton.jit
-def _chunk_state_kernel(q_ptr, k_ptr, G_ptr, w_ptr, u_ptr, aq_ptr, state_ptr, cu_ptr, slot_ptr, o_ptr, h_ptr,
-                        vnew_ptr, chunk_cu_ptr, stride_qt, stride_qh, stride_s0, stride_s1, Hv, REP: tl.constexpr,
-                        DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                        PREC: tl.constexpr, SPLIT: tl.constexpr):
-    """SPLIT: leave o to _chunk_output_kernel, storing each chunk's entering state and v' instead, so the
-    sequential loop runs two products a chunk rather than four."""
+def _chunk_state_kernel(q_ptr, k_ptr, G_ptr, w_ptr, u_ptr, aq_ptr, state_ptr, cu_ptr, slot_ptr, o_ptr,
+                        stride_qt, stride_qh, stride_s0, stride_s1, Hv, REP: tl.constexpr, DK: tl.constexpr,
+                        DV: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                        PREC: tl.constexpr):
     s = tl.program_id(0)
     h = tl.program_id(1)
     hk = h // REP
@@ -146,8 +144,6 @@ def _chunk_state_kernel(q_ptr, k_ptr, G_ptr, w_ptr, u_ptr, aq_ptr, state_ptr, cu
     r = tl.arange(0, BT)
     s_ptrs = state_ptr + slot * stride_s0 + h * stride_s1 + kr[:, None] * DV + vc[None, :]
     S = tl.load(s_ptrs, mask=kmask[:, None] & vmask[None, :], other=0.0).to(tl.float32)
-    if SPLIT:
-        chunk = tl.load(chunk_cu_ptr + s).to(tl.int64)
     for c0 in range(t0, t1, BT):
         rows = c0 + r
         rmask = rows < t1
@@ -161,55 +157,15 @@ def _chunk_state_kernel(q_ptr, k_ptr, G_ptr, w_ptr, u_ptr, aq_ptr, state_ptr, cu
         u = tl.load(u_ptr + (rows64[:, None] * Hv + h) * DV + vc[None, :], mask=mv, other=0.0)
         v_new = (u.to(tl.float32) - tl.dot(w, Sop, input_precision=PREC)).to(op)
         qk_off = rows64[:, None] * stride_qt + hk * stride_qh + kr[None, :]
-        if SPLIT:
-            tl.store(h_ptr + ((chunk * Hv + h) * DK + kr[:, None]) * DV + vc[None, :], Sop,
-                     mask=kmask[:, None] & vmask[None, :])
-            tl.store(vnew_ptr + (rows64[:, None] * Hv + h) * DV + vc[None, :], v_new, mask=mv)
-            chunk += 1
-        else:
-            q = tl.load(q_ptr + qk_off, mask=mk, other=0.0)
-            aq = tl.load(aq_ptr + (rows64[:, None] * Hv + h) * BT + r[None, :], mask=rmask[:, None], other=0.0)
-            o = tl.dot((q * tl.exp(G)[:, None]).to(op), Sop, input_precision=PREC)
-            o += tl.dot(aq, v_new, input_precision=PREC)
-            tl.store(o_ptr + (rows64[:, None] * Hv + h) * DV + vc[None, :], o.to(o_ptr.dtype.element_ty), mask=mv)
+        q = tl.load(q_ptr + qk_off, mask=mk, other=0.0)
+        aq = tl.load(aq_ptr + (rows64[:, None] * Hv + h) * BT + r[None, :], mask=rmask[:, None], other=0.0)
+        o = tl.dot((q * tl.exp(G)[:, None]).to(op), Sop, input_precision=PREC)
+        o += tl.dot(aq, v_new, input_precision=PREC)
+        tl.store(o_ptr + (rows64[:, None] * Hv + h) * DV + vc[None, :], o.to(o_ptr.dtype.element_ty), mask=mv)
         k = tl.load(k_ptr + qk_off, mask=mk, other=0.0)
         kd = (k * tl.exp(G_last - G)[:, None]).to(op)
         S = S * tl.exp(G_last) + tl.dot(tl.trans(kd), v_new, input_precision=PREC)
     tl.store(s_ptrs, S.to(state_ptr.dtype.element_ty), mask=kmask[:, None] & vmask[None, :])
-
-
-@triton.jit(do_not_specialize=["n_seqs"])
-def _chunk_output_kernel(q_ptr, G_ptr, aq_ptr, h_ptr, vnew_ptr, cu_ptr, chunk_cu_ptr, chunk_seq_ptr, o_ptr, n_seqs,
-                         stride_qt, stride_qh, Hv, REP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                         BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
-    """Per (chunk, value head, value columns), in parallel: o = (q e^G) S_chunk + scores v'."""
-    c = tl.program_id(0)
-    h = tl.program_id(1)
-    hk = h // REP
-    seq = tl.load(chunk_seq_ptr + c)
-    if seq >= n_seqs:
-        return
-    t0 = tl.load(cu_ptr + seq) + (c - tl.load(chunk_cu_ptr + seq)) * BT
-    t1 = tl.minimum(t0 + BT, tl.load(cu_ptr + seq + 1))
-    op = vnew_ptr.dtype.element_ty
-    r = tl.arange(0, BT)
-    rows64 = (t0 + r).to(tl.int64)
-    rmask = (t0 + r) < t1
-    kr = tl.arange(0, BK)
-    vc = tl.program_id(2) * BV + tl.arange(0, BV)
-    vmask = vc < DV
-    G = tl.load(G_ptr + rows64 * Hv + h, mask=rmask, other=0.0)
-    q = tl.load(q_ptr + rows64[:, None] * stride_qt + hk * stride_qh + kr[None, :],
-                mask=rmask[:, None] & (kr < DK)[None, :], other=0.0)
-    S = tl.load(h_ptr + ((c.to(tl.int64) * Hv + h) * DK + kr[:, None]) * DV + vc[None, :],
-                mask=(kr < DK)[:, None] & vmask[None, :], other=0.0)
-    o = tl.dot((q * tl.exp(G)[:, None]).to(op), S, input_precision=PREC)
-    aq = tl.load(aq_ptr + (rows64[:, None] * Hv + h) * BT + r[None, :], mask=rmask[:, None], other=0.0)
-    vn = tl.load(vnew_ptr + (rows64[:, None] * Hv + h) * DV + vc[None, :], mask=rmask[:, None] & vmask[None, :],
-                 other=0.0)
-    o += tl.dot(aq, vn, input_precision=PREC)
-    tl.store(o_ptr + (rows64[:, None] * Hv + h) * DV + vc[None, :], o.to(o_ptr.dtype.element_ty),
-             mask=rmask[:, None] & vmask[None, :])
 
 
 def chunk_gated_delta_rule(q, k, v, a, b, A_log, dt_bias, ssm_state, state_slots, cu_seqlens, eps=1e-6,
@@ -221,8 +177,7 @@ def chunk_gated_delta_rule(q, k, v, a, b, A_log, dt_bias, ssm_state, state_slots
 
     precision: tl.dot's input precision for fp32 operands; default "ieee" for fp32 models (the fp32 tests),
     "tf32" for half precision ones (their inverse). launch: overrides of the launch settings ({"prepare_warps",
-    "state_warps", "state_stages", "state_bv", "split", "output_warps"}; benchmarks/gdn_tile_bench.py sweeps
-    them)."""
+    "state_warps", "state_stages", "state_bv"}; benchmarks/gdn_tile_bench.py sweeps them)."""
     T, Hk, Dk = q.shape
     Hv, Dv = v.shape[1], v.shape[2]
     check_state(ssm_state, Hv, Dk, Dv)
@@ -262,32 +217,21 @@ def chunk_gated_delta_rule(q, k, v, a, b, A_log, dt_bias, ssm_state, state_slots
     aq = torch.empty(T, Hv, CHUNK, dtype=op, device=dev)
     prepare, state = tiles(Dk, Dv)
     state = {**state, "BV": _tile(Dv, launch["state_bv"])}
-    split = launch["split"]
-    # padding rows stay zero: the state loop (or the output pass) writes only the sequences' rows
-    o = torch.zeros(T, Hv, Dv, dtype=v.dtype, device=dev)
-    h_buf = torch.empty(max_chunks if split else 1, Hv, Dk, Dv, dtype=op, device=dev)
-    v_new = torch.empty(T if split else 1, Hv, Dv, dtype=op, device=dev)
+    o = torch.zeros(T, Hv, Dv, dtype=v.dtype, device=dev)  # padding rows stay zero: the loop writes the sequences'
     _chunk_prepare_kernel[(max_chunks, Hv)](
         qn, kn, v, g, beta, cu, chunk_cu, chunk_seq, G, w, u, aq, n, qn.stride(0), qn.stride(1), v.stride(0),
         v.stride(1), Hv, REP=Hv // Hk, DK=Dk, DV=Dv, BT=CHUNK, PREC=precision,
         num_warps=launch["prepare_warps"], **prepare)
     _chunk_state_kernel[(n, Hv, triton.cdiv(Dv, state["BV"]))](
-        qn, kn, G, w, u, aq, ssm_state, cu, slots, o, h_buf, v_new, chunk_cu, qn.stride(0), qn.stride(1),
-        ssm_state.stride(0), ssm_state.stride(1), Hv, REP=Hv // Hk, DK=Dk, DV=Dv, BT=CHUNK, PREC=precision,
-        SPLIT=split, num_warps=launch["state_warps"],
+        qn, kn, G, w, u, aq, ssm_state, cu, slots, o, qn.stride(0), qn.stride(1), ssm_state.stride(0),
+        ssm_state.stride(1), Hv, REP=Hv // Hk, DK=Dk, DV=Dv, BT=CHUNK, PREC=precision, num_warps=launch["state_warps"],
         num_stages=launch["state_stages"] or STATE_STAGES["half" if half else "fp32"], **state)
-    if split:
-        bv = _tile(Dv, launch["output_bv"])
-        _chunk_output_kernel[(max_chunks, Hv, triton.cdiv(Dv, bv))](
-            qn, G, aq, h_buf, v_new, cu, chunk_cu, chunk_seq, o, n, qn.stride(0), qn.stride(1), Hv, REP=Hv // Hk,
-            DK=Dk, DV=Dv, BT=CHUNK, BK=_tile(Dk), BV=bv, PREC=precision,
-            num_warps=launch["output_warps"])
     return o
 
 
 # the launch settings; benchmarks/gdn_tile_bench.py --prefill sweeps them
 LAUNCH = {"prepare_warps": PREPARE_WARPS, "state_warps": STATE_WARPS, "state_stages": None,  # None: STATE_STAGES
-          "state_bv": STATE_BV, "split": False, "output_bv": 64, "output_warps": 4}
+          "state_bv": STATE_BV}
 
 
 def tiles(Dk, Dv) -> tuple[dict, dict]:

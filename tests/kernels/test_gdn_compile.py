@@ -81,11 +81,9 @@ def test_prefill_conv_fits_and_does_not_spill(tmp_path):
         assert k.asm["cubin"] and k.metadata.shared <= SHARED_MAX and spill_bytes(k, tmp_path) == 0
 
 
-@pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("precision, op", [("tf32", BF16), ("ieee", F32)])  # bf16 models, fp32 models
-def test_chunk_kernels_fit_in_shared_memory(precision, op, split):
-    """The q / k norm, the prepare pass and the state loop at the wrapper's launch settings (chunk.LAUNCH), and
-    the output pass with split."""
+def test_chunk_kernels_fit_in_shared_memory(precision, op):
+    """The q / k norm, the prepare pass and the state loop at the wrapper's launch settings (chunk.LAUNCH)."""
     prepare, state = chunk.tiles(DK, DV)
     launch = chunk.LAUNCH
     state = {**state, "BV": min(DV, launch["state_bv"])}
@@ -96,19 +94,12 @@ def test_chunk_kernels_fit_in_shared_memory(precision, op, split):
                           "aq_ptr": op}, {**shape, **prepare}, num_warps=launch["prepare_warps"])
     loop = compile_sm90(chunk._chunk_state_kernel,
                         {"q_ptr": op, "k_ptr": op, "G_ptr": F32, "w_ptr": op, "u_ptr": op, "aq_ptr": op,
-                         "state_ptr": F32, "cu_ptr": I32, "slot_ptr": I32, "o_ptr": op, "h_ptr": op,
-                         "vnew_ptr": op, "chunk_cu_ptr": I32}, {**shape, **state, "SPLIT": split},
+                         "state_ptr": F32, "cu_ptr": I32, "slot_ptr": I32, "o_ptr": op}, {**shape, **state},
                         num_warps=launch["state_warps"],
                         num_stages=chunk.STATE_STAGES["half" if op == BF16 else "fp32"])
     norm = compile_sm90(chunk._qk_l2norm_kernel, {"q_ptr": op, "k_ptr": op, "qn_ptr": op, "kn_ptr": op,
                                                   "scale": "fp32", "eps": "fp32"},
                         {"HK": HK, "DK": DK, "BK": DK, "ROWS": 16})
     kernels = [norm, first, loop]
-    if split:
-        kernels.append(compile_sm90(chunk._chunk_output_kernel,
-                                    {"q_ptr": op, "G_ptr": F32, "aq_ptr": op, "h_ptr": op, "vnew_ptr": op,
-                                     "cu_ptr": I32, "chunk_cu_ptr": I32, "chunk_seq_ptr": I32, "o_ptr": op},
-                                    {**shape, "BK": DK, "BV": min(DV, launch["output_bv"])},
-                                    num_warps=launch["output_warps"]))
     for k in kernels:
         assert k.asm["cubin"] and k.metadata.shared <= SHARED_MAX, k.metadata.shared

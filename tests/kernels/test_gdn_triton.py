@@ -178,23 +178,6 @@ def test_launch_settings_do_not_change_the_rule():
     close(state, one, torch.float32)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_split_output_pass_equals_the_inline_one(dtype):
-    """launch split: the state loop stores each chunk's entering state and v', a parallel pass writes o; the
-    outputs and states are the inline loop's, padding rows included."""
-    gen = torch.Generator().manual_seed(9)
-    lens = [5, 130, 1, 64, 3]
-    q, k, v, a, b, A_log, dt_bias, state = rule_inputs(sum(lens), dtype, gen)
-    slots = torch.tensor([3, 0, 5, 2, -1], dtype=torch.int32)
-    inline_state = state.clone()
-    inline = TK["gdn_chunk"].chunk_gated_delta_rule(q, k, v, a, b, A_log, dt_bias, inline_state, slots, cu(lens))
-    split = TK["gdn_chunk"].chunk_gated_delta_rule(q, k, v, a, b, A_log, dt_bias, state, slots, cu(lens),
-                                                   launch={"split": True, "output_bv": 16, "state_bv": 16})
-    torch.testing.assert_close(split, inline, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(state, inline_state, rtol=1e-5, atol=1e-5)
-    assert not split[-3:].any()
-
-
 def test_chunk_then_recurrent_equals_recurrent_only():
     """The chunked form and the recurrent step are one rule: a 9-token prompt through the chunk kernel, then a
     decode, leaves the state and output of ten recurrent steps."""
