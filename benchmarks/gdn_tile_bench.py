@@ -147,7 +147,7 @@ def prefill_sweep(old_path: str | None, json_out: str | None) -> None:
         times[name] = bench_ms(lambda name=name: rules[name](*mixed_args), warmup=5, rep=50)
         print(f"  {name}: {times[name] * 1e3:.0f} us", flush=True)
     best = min((n for n in times if n.startswith("{")), key=times.get)
-    print(f"\nchunked rule, one layer, bf16 state (µs; {len(ok)} of {len(rules)} launch and match):")
+    print(f"\nchunked rule, one layer, bf16 state (µs; {len(ok)} of {len(rules)} variants launch and match):")
     print(f"| rule | {len(lens)} sequences, {sum(lens):,} tokens | {len(serving)} sequences, {sum(serving):,} tokens |")
     print("|---|---|---|")
     table = {}
