@@ -9,8 +9,8 @@ Every request is a streamed chat completion through the gateway (TTFT = first co
 come from the workers' own `vllm:prefix_cache_queries` / `_hits` counters (tokens), read before and
 after each gateway's turn; the gateway's own estimate from its `pagefleet_gateway_prefix_*` counters, its
 choices from `pagefleet_gateway_routing_decisions_total`. Sizes, with SmolLM2's tokenizer and chat template
-(e2e/test_prefix_routing.py sets the workers' KV against them): a multi-turn conversation grows from ~130
-prompt tokens to ~338 tokens (21 blocks of 16) at its last answer; a shared system prompt is ~385 tokens
+(e2e/test_prefix_routing.py sets the workers' KV against them): a multi-turn conversation grows from ~82
+prompt tokens to ~293 tokens (18 blocks of 16) at its last answer; a shared system prompt is ~385 tokens
 (24 blocks), a question and its answer add ~35.
 
     python e2e/bench_prefix_routing.py --key sk-... --worker http://10.0.0.7:8000 --worker http://10.0.0.8:8000 \\
@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-CONVERSATIONS, TURNS, ANSWER_TOKENS = 16, 6, 8
+CONVERSATIONS, TURNS, ANSWER_TOKENS = 12, 6, 8
 THINK_S = 1.0  # a user reads and types between turns: uniform in [0, THINK_S], so turns arrive interleaved
 SYSTEM_PROMPTS, SYSTEM_QUESTIONS, SYSTEM_CONCURRENCY = 8, 6, 4
 SYSTEM_SENTENCES = 32  # ~385 tokens: a tenant's instructions and examples
@@ -50,9 +50,9 @@ def sentence(rng: random.Random, words: int) -> str:
 
 
 def conversation_starts(seed: str) -> list[list[dict]]:
-    """One opening per conversation: its own system prompt (~105 tokens)."""
+    """One opening per conversation: its own system prompt (~60 tokens)."""
     rng = random.Random(f"{seed}-turns")
-    return [[{"role": "system", "content": " ".join(sentence(rng, 10) for _ in range(8))}]
+    return [[{"role": "system", "content": " ".join(sentence(rng, 10) for _ in range(4))}]
             for _ in range(CONVERSATIONS)]
 
 

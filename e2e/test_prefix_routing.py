@@ -8,17 +8,16 @@ that the token keys cut prompts where the worker does). e2e/bench_prefix_routing
 prints hit rates (the workers' own counters), the gateway's estimate and choices, TTFT p50/p99 and the busiest
 worker's share.
 
-The KV size puts both workloads where a fleet serves more prefixes than one worker caches, the regime prefix
-affinity is for: scattered requests put every prefix on every worker and LRU evicts what the next request
-needs; with affinity each prefix lives on one worker and the fleet caches twice as much. Each worker has
-KV_BLOCKS = 128 blocks of 16 tokens (2,048 tokens); the fleet 256.
+The KV size puts both workloads where a fleet serves more prefixes than one worker caches but fewer than
+all workers do, the regime prefix affinity is for: scattered requests put every prefix on every worker and
+LRU evicts what the next request needs; with affinity each prefix lives on one worker and the fleet caches
+twice as much. Each worker has KV_BLOCKS = 128 blocks of 16 tokens (2,048 tokens); the fleet 256.
 - Shared system prompts: 8 tenants x 24 blocks (~385 tokens) = 192 blocks, 1.5x one worker and 0.75x the
   fleet. Scattered, each worker meets all 8 (192 > 128); with affinity 4 each, 96 blocks, plus the question
   and answer blocks (~2 a request) of the requests since a prompt's last use.
-- Multi-turn: 16 conversations, each opening with its own ~130-token system prompt and question (8 blocks) and
-  reaching ~338 tokens (21 blocks) at its last turn: 128 blocks at the first turn (one worker's KV) and 336 at
-  the last (2.6x one worker, 1.3x the fleet); with affinity 8 a worker, 64 to 168 blocks.
-- Running: at most 4 sequences of <= 22 blocks, 88 blocks, so no preemption.
+- Multi-turn: 12 conversations x 18 blocks at their last turn (~293 tokens) = 216 blocks, 1.7x one worker
+  and 0.84x the fleet; with affinity 6 each, 108 blocks.
+- Running: at most 4 sequences of <= 27 blocks, 108 blocks, so no preemption.
 Asserted: what does not depend on the machine's speed (multi-turn hit rates, the share bound, the
 estimate); the timings and the shared-system-prompt hit rates are printed, not asserted.
 """
@@ -127,17 +126,15 @@ def test_prefix_aware_routing_raises_the_hit_rate_within_the_share_bound(fleet):
     base = by_name["queue-depth"]
     for name in (g for g in GATEWAYS if g != "queue-depth"):
         ours = by_name[name]
-        # Multi-turn: scattered, a turn finds its history only where the turn before went (half the time) and
-        # LRU has not evicted it since; with affinity, unless its own worker's 8 conversations outgrew its KV.
-        # 0.59 / 0.55 against queue-depth's 0.31 / 0.25 (1.9x, 2.2x) in two runs on two shared cores.
-        assert bench.hit_rate(ours, "multi-turn") >= 1.5 * bench.hit_rate(base, "multi-turn"), name
+        # Multi-turn: affinity reaches the ceiling of every turn finding the turn before (about 0.71); queue-depth
+        # finds 0.47-0.58 of it by chance (the other worker holds the turn before last), so the gain is bounded.
+        assert bench.hit_rate(ours, "multi-turn") > bench.hit_rate(base, "multi-turn"), name
+        assert bench.hit_rate(ours, "multi-turn") >= 0.85 * bench.ideal_hit_rate(ours), name
         # Shared system prompts: scattered, every worker meets all 8 and evicts; with affinity each holds 4, less
         # the prompts bounded loads copy onto the other worker (4-5 of 48 requests) and the requests that reach
         # a worker while their prompt's first use is still in prefill. How many do depends on the machine's
         # speed (0.47 against queue-depth's 0.53 once, with other work on the same two cores; 1.08-1.47x its
         # hit rate on a quiet machine), so that comparison is printed above, not asserted.
         assert bench.busiest_share(ours) <= 0.65, name
-        # The index bounds each worker's LRU by all of its KV blocks, while running sequences pin up to 88 of
-        # them, so under this pressure it expects more than the worker keeps: 0.71 / 0.70 against 0.59 / 0.55
         expected, queried = ours.estimate["multi-turn"]
-        assert abs(expected / queried - bench.hit_rate(ours, "multi-turn")) < 0.2, name
+        assert abs(expected / queried - bench.hit_rate(ours, "multi-turn")) < 0.1, name  # the index is close
