@@ -84,12 +84,11 @@ def _chunk_prepare_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, cu_ptr, chunk_cu
         row = row + tl.sum(row[:, None] * Dm, 0)
         Dm = tl.where(sel[:, None] & same, row[None, :], Dm)
     Dinv = Dm + eye
-    FPREC: tl.constexpr = "ieee" if PREC == "ieee" else "tf32"
-    N = tl.dot(Dinv, tl.where(same, 0.0, A), input_precision=FPREC)
+    N = tl.dot(Dinv, tl.where(same, 0.0, A), input_precision=PREC)
     Y = eye - N
-    Y = eye - tl.dot(N, Y, input_precision=FPREC)
-    Y = eye - tl.dot(N, Y, input_precision=FPREC)
-    X = tl.dot(Y, Dinv, input_precision=FPREC).to(op)
+    Y = eye - tl.dot(N, Y, input_precision=PREC)
+    Y = eye - tl.dot(N, Y, input_precision=PREC)
+    X = tl.dot(Y, Dinv, input_precision=PREC).to(op)
     for k0 in tl.static_range(0, DK, BK):
         kc = k0 + tl.arange(0, BK)
         m = rmask[:, None] & (kc < DK)[None, :]
@@ -215,8 +214,7 @@ def chunk_gated_delta_rule(q, k, v, a, b, A_log, dt_bias, ssm_state, state_slots
     w = torch.empty(T, Hv, Dk, dtype=op, device=dev)
     u = torch.empty(T, Hv, Dv, dtype=op, device=dev)
     aq = torch.empty(T, Hv, CHUNK, dtype=op, device=dev)
-    prepare, state = tiles(Dk, Dv)
-    state = {**state, "BV": _tile(Dv, launch["state_bv"])}
+    prepare, state = tiles(Dk, Dv, launch["state_bv"])
     o = torch.zeros(T, Hv, Dv, dtype=v.dtype, device=dev)  # padding rows stay zero: the loop writes the sequences'
     _chunk_prepare_kernel[(max_chunks, Hv)](
         qn, kn, v, g, beta, cu, chunk_cu, chunk_seq, G, w, u, aq, n, qn.stride(0), qn.stride(1), v.stride(0),
@@ -234,10 +232,11 @@ LAUNCH = {"prepare_warps": PREPARE_WARPS, "state_warps": STATE_WARPS, "state_sta
           "state_bv": STATE_BV}
 
 
-def tiles(Dk, Dv) -> tuple[dict, dict]:
+def tiles(Dk, Dv, state_bv=STATE_BV) -> tuple[dict, dict]:
     """The two kernels' tile constants: the prepare pass loops over 64-wide slices of Dk and Dv; the state loop
-    holds the whole [Dk, BV] state slice. No tile is narrower than MIN_TILE (the masks zero the extra columns)."""
-    return ({"BK": _tile(Dk, 64), "BV": _tile(Dv, 64)}, {"BK": _tile(Dk), "BV": _tile(Dv, STATE_BV)})
+    holds a whole [Dk, state_bv] state slice. No tile is narrower than MIN_TILE (the masks zero the extra
+    columns)."""
+    return ({"BK": _tile(Dk, 64), "BV": _tile(Dv, 64)}, {"BK": _tile(Dk), "BV": _tile(Dv, state_bv)})
 
 
 # Triton 3.6's sm_90 products on 16-wide half-precision tiles read out of bounds: a model with 16-dim DeltaNet

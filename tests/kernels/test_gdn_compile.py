@@ -84,9 +84,8 @@ def test_prefill_conv_fits_and_does_not_spill(tmp_path):
 @pytest.mark.parametrize("precision, op", [("tf32", BF16), ("ieee", F32)])  # bf16 models, fp32 models
 def test_chunk_kernels_fit_in_shared_memory(precision, op):
     """The q / k norm, the prepare pass and the state loop at the wrapper's launch settings (chunk.LAUNCH)."""
-    prepare, state = chunk.tiles(DK, DV)
     launch = chunk.LAUNCH
-    state = {**state, "BV": min(DV, launch["state_bv"])}
+    prepare, state = chunk.tiles(DK, DV, launch["state_bv"])
     shape = {"REP": HV // HK, "DK": DK, "DV": DV, "BT": chunk.CHUNK, "PREC": precision}
     first = compile_sm90(chunk._chunk_prepare_kernel,
                          {"q_ptr": op, "k_ptr": op, "v_ptr": op, "g_ptr": F32, "beta_ptr": F32, "cu_ptr": I32,
