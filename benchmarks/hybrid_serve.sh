@@ -4,7 +4,8 @@
 # `bench serve` at the server's default sampling (temperature 1) at the same levels. The issue's serving rows,
 # for pagefleet and vLLM 0.26 one after the other on one GPU (.peer/ set up as its README says):
 #   source .peer/side_env.sh && bash benchmarks/hybrid_serve.sh {pagefleet|vllm} OUT_DIR [DIR (/dev/shm/q36)]
-# CONCS=8,64 picks the levels; SAMPLED=0 skips vLLM's client (the sampled rows).
+# CONCS=8,64 picks the levels; SAMPLED=0 skips vLLM's client (the sampled rows); PF_FLAGS adds flags to
+# pagefleet's server (say --mixed-prefill-tokens 512).
 # Both servers: max_model_len 2048, GPU share 0.85, each engine's serving defaults for the GPU. vLLM gets the
 # Triton GDN prefill (no FlashInfer in the bundle) and no image or video inputs.
 set -uo pipefail
@@ -18,7 +19,8 @@ if [ "$eng" = vllm ]; then
   start_server vllm "$ck" $port "$log" --limit-mm-per-prompt '{"image": 0, "video": 0}' \
     --additional-config '{"gdn_prefill_backend": "triton"}'
 else
-  start_server pagefleet "$ck" $port "$log"
+  # shellcheck disable=SC2086
+  start_server pagefleet "$ck" $port "$log" ${PF_FLAGS:-}
 fi
 wait_ready $port "$log"
 echo "READY $eng $(python3 -c "print(round($(date +%s.%N) - $t0, 1))") s"

@@ -5,12 +5,15 @@
 # the server's default sampling and at temperature 0.8 / top-p 0.95 / top-k 50, each with prompts of its own
 # (--seed 5, 6): a level that re-sent the last one's prompts would be served from the prefix cache.
 # Prints READY, SERVE and the bench's summary lines after a "-- bench serve: LABEL" line each. KV_CACHE_DTYPE=fp8
-# serves both with an e4m3 KV cache.
+# serves both with an e4m3 KV cache; PF_FLAGS adds flags to pagefleet's server.
 set -uo pipefail
 eng=${1:?ENGINE}; dt=${2:?DTYPE}; ck=/root/llama8b; port=8000; q=()
 [ "$dt" = fp8 ] && q=(--quantization fp8)
 # KV_CACHE_DTYPE=fp8: both engines keep their KV cache in e4m3 (vLLM's flag of the same name)
 [ -n "${KV_CACHE_DTYPE:-}" ] && q+=(--kv-cache-dtype "$KV_CACHE_DTYPE")
+# PF_FLAGS: more flags for pagefleet's server alone (say --mixed-prefill-tokens 512)
+# shellcheck disable=SC2206
+[ "$eng" = pagefleet ] && q+=(${PF_FLAGS:-})
 out=${OUT:-/tmp}
 t0=$(date +%s.%N)
 if [ "$eng" = vllm ]; then

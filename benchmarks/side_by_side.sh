@@ -16,6 +16,8 @@
 #   DTYPES="bf16 fp8" (default bf16) and ENGINES="pagefleet vllm" (the default) pick the runs. KV_CACHE_DTYPE=fp8
 #   gives both engines an e4m3 KV cache in the sampled and grpo parts (their logs tagged -kvfp8); grpo then runs
 #   benchmarks/grpo_side.py, the same workload as side_offline.py --grpo with the flag passed.
+#   PF_FLAGS adds flags to pagefleet's server in the sampled part (say --mixed-prefill-tokens 512; its logs keep
+#   their names, so give such a run an OUT_DIR of its own).
 # Each run's output is kept in OUT_DIR/PART-ENGINE-DTYPE.log, and the table covers every log in OUT_DIR: parts run
 # in separate calls (a persistent OUT_DIR such as /root/side) add up to one table. `side_by_side.sh DIR table`
 # only prints it, on any machine.

@@ -117,13 +117,15 @@ def main() -> None:
                    help="decode steps past the graphs read each row's whole table (kernels/cascade.py off)")
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--mixed-prefill-tokens", type=int, default=None)
     p.add_argument("--profile", type=int, default=0, metavar="STEPS", help="kernel table of STEPS middle steps")
     a = p.parse_args()
 
     engine = LLMEngine(EngineConfig(model=a.model, max_model_len=a.max_model_len, gpu_memory_fraction=a.fraction,
                                     quantization=a.quantization, kv_cache_dtype=a.kv_cache_dtype,
                                     max_num_seqs=a.max_num_seqs,
-                                    max_num_batched_tokens=a.max_num_batched_tokens))
+                                    max_num_batched_tokens=a.max_num_batched_tokens,
+                                    mixed_prefill_tokens=a.mixed_prefill_tokens))
     engine.emit_partial = False
     if a.no_cascade:
         engine.runner.cascade_samples = 0

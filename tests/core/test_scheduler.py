@@ -35,12 +35,14 @@ class EngineWithoutModel(RuleBasedStateMachine):
         max_num_seqs=st.integers(1, 6),
         max_num_batched_tokens=st.integers(1, 24),
         enable_prefix_caching=st.booleans(),
+        mixed_prefill_tokens=st.one_of(st.none(), st.integers(1, 8)),
     )
-    def start(self, block_size, spare_blocks, max_num_seqs, max_num_batched_tokens, enable_prefix_caching):
+    def start(self, block_size, spare_blocks, max_num_seqs, max_num_batched_tokens, enable_prefix_caching,
+              mixed_prefill_tokens):
         # The engine sizes the pool so one sequence of max_model_len fits; one block more leaves room for a copy.
         num_blocks = -(-(MAX_PROMPT + MAX_TOKENS) // block_size) + 1 + spare_blocks
         self.bm = BlockManager(num_blocks, block_size, enable_prefix_caching)
-        self.sched = Scheduler(self.bm, max_num_seqs, max_num_batched_tokens)
+        self.sched = Scheduler(self.bm, max_num_seqs, max_num_batched_tokens, mixed_prefill_tokens=mixed_prefill_tokens)
         self.cache = [[None] * block_size for _ in range(num_blocks)]  # (LoRA id, token id) each slot holds
         self.requests: dict[str, list[Sequence]] = {}
         self.n_of: dict[str, int] = {}
@@ -86,6 +88,7 @@ class EngineWithoutModel(RuleBasedStateMachine):
     def run_step(self, rng: random.Random) -> None:
         sched, bm = self.sched, self.bm
         running_before, waiting_before = list(sched.running), list(sched.waiting)
+        decoding = any(s.num_uncomputed_tokens == 1 for s in running_before)
         tokens_before = {seq.seq_id: list(seq.token_ids) for seq in running_before + waiting_before}
         batch = sched.schedule()
         for seq in self.retired:  # the overlapped step's token is read: the sequence finishes
@@ -97,6 +100,11 @@ class EngineWithoutModel(RuleBasedStateMachine):
         # Token budget; the sequence cap at admission: the sequences running, the samples their parents still
         # fork and all samples of the request admitted fit under max_num_seqs, unless nothing runs.
         assert sum(batch.num_new_tokens) <= sched.max_num_batched_tokens
+        if decoding and sched.mixed_prefill_tokens is not None:  # prompt chunks beside decodes: held to the cap
+            assert sum(n for n in batch.num_new_tokens if n > 1) <= sched.mixed_prefill_tokens
+            decodes = [seq for seq in running_before if seq.num_uncomputed_tokens == 1]
+            if len(decodes) + sched.mixed_prefill_tokens <= sched.max_num_batched_tokens and not batch.preempted:
+                assert all(seq in batch.seqs for seq in decodes), "a decode waited for prompt chunks"
         seats = len(running_before) + sum(s.pending_forks for s in running_before)
         for seq in waiting_before:
             if seq in batch.seqs:
@@ -264,3 +272,28 @@ def test_jumping_chunks_past_max_chunks_run_a_token_a_step():
     assert jumping_step(None) == {"r0": 6, "r1": 6, "r2": 6, "r3": 6, "prompt": 3}  # no graphs: no limit
     # the sequence cap keeps the prompt waiting: it takes no chunk, so the jumping sequences get all three
     assert jumping_step(3, max_num_seqs=4) == {"r0": 6, "r1": 6, "r2": 6, "r3": 1}
+
+
+def test_prompt_chunks_beside_decodes_are_held_to_mixed_prefill_tokens():
+    """Decodes run in full; the prompts beside them share mixed_prefill_tokens, oldest first; a step with no
+    decode gives a prompt the whole budget."""
+    sched = Scheduler(BlockManager(64, 4), max_num_seqs=8, max_num_batched_tokens=32, mixed_prefill_tokens=5)
+
+    def step() -> dict[str, int]:
+        batch = sched.schedule()
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += n
+            if seq.num_computed_tokens == seq.num_tokens:
+                seq.token_ids.append(9)  # the sampled token: next step it decodes
+        return {seq.request_id: n for seq, n in zip(batch.seqs, batch.num_new_tokens)}
+
+    for rid in ("a", "b"):
+        sched.add(Sequence(rid, 0, [1, 2, 3], 3, SamplingParams(), None))
+    assert step() == {"a": 3, "b": 3}  # no decode yet: prompts take what the budget gives
+    for rid, length in (("c", 7), ("d", 40)):
+        sched.add(Sequence(rid, 0, list(range(10, 10 + length)), length, SamplingParams(), None))
+    assert step() == {"a": 1, "b": 1, "c": 5}
+    assert step() == {"a": 1, "b": 1, "c": 2, "d": 3}
+    assert step() == {"a": 1, "b": 1, "c": 1, "d": 5}
+    sched.finish(sched.running[0]), sched.finish(sched.running[0]), sched.finish(sched.running[0])
+    assert step() == {"d": 32}  # d alone: no decode beside it, the whole budget

@@ -25,6 +25,8 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings, capped at 8192
     max_num_seqs: int | None = None  # sequences in one step; None: batch_defaults for the device
     max_num_batched_tokens: int | None = None  # token budget of one step (prefill chunks + decodes); None: auto
+    # the most prompt tokens in a step that also decodes (core/scheduler.py); None: the whole token budget
+    mixed_prefill_tokens: int | None = None
     serving: bool = False  # set by `pagefleet serve`: the batch defaults of vLLM's API server
     block_size: int = 16  # tokens per KV block
     enable_prefix_caching: bool = True
@@ -75,6 +77,8 @@ class EngineConfig:
         need(self.max_num_seqs is None or self.max_num_seqs > 0, f"max_num_seqs must be > 0, got {self.max_num_seqs}")
         need(self.max_num_batched_tokens is None or self.max_num_batched_tokens > 0,
              f"max_num_batched_tokens must be > 0, got {self.max_num_batched_tokens}")
+        need(self.mixed_prefill_tokens is None or self.mixed_prefill_tokens > 0,
+             f"mixed_prefill_tokens must be > 0, got {self.mixed_prefill_tokens}")
         need(self.block_size in (8, 16, 32, 64, 128),
              f"block_size must be one of 8, 16, 32, 64, 128, got {self.block_size}")
         need(0.0 < self.gpu_memory_fraction <= 1.0,

@@ -2,9 +2,13 @@
 
 One token budget per step (`max_num_batched_tokens`), no separate prefill and decode phases: running
 sequences go first (a decode costs one token, an unfinished prompt takes what is left as its next
-chunk), then waiting requests first-come-first-served. When the pool runs dry the most recently
-admitted sequence is preempted by recompute: its blocks are freed, it keeps every token it produced,
-and it goes back to the front of the queue.
+chunk), then waiting requests first-come-first-served. With `mixed_prefill_tokens` set, a step that carries
+decodes holds its prompt chunks (and preempted sequences' recomputes) to that many tokens, as Sarathi-Serve's
+stall-free batching does: a decode step of a few rows reads every weight and leaves the GEMMs' arithmetic idle,
+so prompt tokens up to about the ridge point ride along at little cost, where a wave of prompts let into
+8,192-token steps stalls every decode behind it and keeps a closed loop's requests arriving in waves. When the
+pool runs dry the most recently admitted sequence is preempted by recompute: its blocks are freed, it keeps
+every token it produced, and it goes back to the front of the queue.
 
 Structured outputs' jump-forward gives running sequences chunks of forced tokens. A step of more chunks than
 the mixed CUDA graphs hold runs eagerly, at several times the cost, so at most `max_chunks` chunks run a step:
@@ -63,12 +67,14 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_chunks: int | None = None):
+                 max_chunks: int | None = None, mixed_prefill_tokens: int | None = None):
         """max_chunks: the most multi-token entries a step's graphs hold (None: no limit); only jumping
-        sequences' chunks are held to it."""
+        sequences' chunks are held to it. mixed_prefill_tokens: the most prompt tokens in a step that also
+        decodes (None: the whole budget)."""
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.mixed_prefill_tokens = mixed_prefill_tokens
         self.max_chunks = max_chunks
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the last one is preempted first
@@ -85,6 +91,11 @@ class Scheduler:
         seqs, counts = batch.seqs, batch.num_new_tokens
         bs, blocks = bm.block_size, bm.blocks
         jump_chunks = None  # chunks left for jumping sequences this step, counted at the first one
+        # prompt tokens this step may still take: all of the budget unless a running sequence decodes
+        prompt_budget = budget
+        if self.mixed_prefill_tokens is not None and any(
+                len(s.token_ids) - s.num_computed_tokens == 1 for s in self.running):
+            prompt_budget = min(budget, self.mixed_prefill_tokens)
         # 1. Running sequences: decodes and unfinished prompt chunks (every running sequence: kept to reads).
         for seq in list(self.running):
             if budget == 0:
@@ -93,6 +104,11 @@ class Scheduler:
                 continue
             computed, table = seq.num_computed_tokens, seq.block_table
             n = min(len(seq.token_ids) - computed, budget)
+            prompt = n > 1 and not seq.jumping  # a prompt chunk, or a preempted sequence's recompute
+            if prompt:
+                if prompt_budget == 0:
+                    continue
+                n = min(n, prompt_budget)
             if n > 1 and seq.jumping and self.max_chunks is not None:
                 if jump_chunks is None:
                     jump_chunks = self._jump_chunks()
@@ -119,6 +135,8 @@ class Scheduler:
                 seqs.append(seq)
                 counts.append(n)
                 budget -= n
+                if prompt:
+                    prompt_budget -= n
         # 2. Waiting requests, oldest first, unless this step already had to preempt. The samples a running
         # parent still forks count against the sequence cap: they join the batch once its prompt is done, and
         # the decode graphs and the memory profile are sized for max_num_seqs rows. With recurrent state each
@@ -126,7 +144,7 @@ class Scheduler:
         # samples running parents still fork are free.
         num_seqs = owed = None
         compiling: list[Sequence] = []  # grammars still compiling: they wait aside, keeping their place
-        while self.waiting and budget > 0 and not batch.preempted:
+        while self.waiting and min(budget, prompt_budget) > 0 and not batch.preempted:
             seq = self.waiting[0]
             if seq.grammar is not None and not seq.grammar.ready:
                 compiling.append(self.waiting.popleft())
@@ -143,7 +161,7 @@ class Scheduler:
                 break
             if not seq.block_table:
                 self.block_manager.match_prefix(seq)
-            n = self.block_manager.state_chunk(seq, min(seq.num_uncomputed_tokens, budget))
+            n = self.block_manager.state_chunk(seq, min(seq.num_uncomputed_tokens, budget, prompt_budget))
             if not self.block_manager.allocate(seq, n):
                 self.block_manager.free_sequence(seq)  # give back the prefix hits; retry next step
                 seq.num_cached_tokens = 0
@@ -156,6 +174,7 @@ class Scheduler:
             batch.seqs.append(seq)
             batch.num_new_tokens.append(n)
             budget -= n
+            prompt_budget -= n
             num_seqs += seq.pending_forks + 1
             owed += seq.pending_forks
         self.waiting.extendleft(reversed(compiling))

@@ -83,7 +83,7 @@ class LLMEngine(WeightUpdates):
                                           self._state_slots())
         mixed = getattr(self.runner, "mixed_graphs", None)  # its chunk count bounds a step's jump-forward chunks
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   mixed.max_chunks if mixed is not None else None)
+                                   mixed.max_chunks if mixed is not None else None, config.mixed_prefill_tokens)
         self.requests: dict[str, Request] = {}
         self.emit_partial = True  # the streaming engine wants every step's progress; offline runs only the final
         self.prompt_tokens_total = 0

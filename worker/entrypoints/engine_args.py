@@ -16,6 +16,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
     parser.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
+    parser.add_argument("--mixed-prefill-tokens", type=int, default=d.mixed_prefill_tokens,
+                        help="the most prompt tokens a step that also decodes runs (default: the whole token "
+                             "budget); a few hundred let prompt chunks ride along decode steps")
     parser.add_argument("--block-size", type=int, default=d.block_size)
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                         default=d.enable_prefix_caching)
@@ -60,6 +63,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
+        mixed_prefill_tokens=args.mixed_prefill_tokens,
         enable_prefix_caching=args.enable_prefix_caching, enforce_eager=args.enforce_eager,
         gpu_memory_fraction=args.gpu_memory_fraction, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         num_gpu_blocks_override=args.num_gpu_blocks_override, quantization=args.quantization, seed=args.seed,
