@@ -15,7 +15,8 @@ every request arrives at once) and from step 100 (decodes).
 Usage: python3 benchmarks/step_breakdown.py MODEL [--quantization fp8] [--kv-cache-dtype fp8] [--concurrency 64]
          [--requests 256] [--input-len 564] [--output-len 128] [--temperature 1.0] [--max-model-len 2048]
          [--fraction 0.85]
-         [--mixed-draw 0] [--n 16] [--max-num-seqs N] [--max-num-batched-tokens N] [--profile 40]
+         [--mixed-draw 0] [--n 16] [--max-num-seqs N] [--max-num-batched-tokens N] [--mixed-prefill-tokens N]
+         [--profile 40]
 
 `--n N` samples N continuations of each prompt, seeded by request, as GRPO rollouts do (side_offline.py --grpo:
 `--n 16 --concurrency 64 --requests 64 --input-len 256 --output-len 512 --max-num-seqs 1024`); `--no-cascade` times
