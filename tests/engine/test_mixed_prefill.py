@@ -62,3 +62,13 @@ def test_the_flag_reaches_the_config_and_bad_values_are_refused():
     assert engine_config_from_args(parser.parse_args([])).mixed_prefill_tokens is None
     with pytest.raises(ValueError, match="mixed_prefill_tokens must be > 0"):
         EngineConfig(mixed_prefill_tokens=0).validate()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_5"])
+def test_one_token_prompt_chunks_beside_decodes_keep_the_tokens(arch, tiny_models, tmp_path):
+    """At a cap of 1 every prompt chunk beside a decode is one token, which runs through the decode kernels (and a
+    hybrid's recurrent step) as a decode row does, mid-prompt."""
+    path = tiny_models["llama"] if arch == "llama" else tiny_qwen3_5(tmp_path / "qwen3_5")
+    ps = prompts(512 if arch == "qwen3_5" else 49152)
+    _, got = run(path, ps, mixed_prefill_tokens=1)
+    assert got == hf_greedy(path, ps, MAX_NEW)
