@@ -14,6 +14,8 @@
 set -uo pipefail
 out=${1:?usage: mixed_prefill_bench.sh OUT_DIR [MODEL]}; model=${2:-/root/llama8b}; port=${PORT:-8000}
 mkdir -p "$out"
+source "$(dirname "$0")/serve_common.sh"
+trap 'kill "${SERVER_PID:-}" 2> /dev/null' EXIT  # a server that never answered goes with the script
 [ -f "$model/tokenizer.json" ] || { echo "no checkpoint at $model (.peer/make_ckpt.py or make_checkpoint.py)"; exit 1; }
 table="$out/mixed_prefill.md"
 echo "| setting | output tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | TPOT p50 ms | errors | ready s |" > "$table"
@@ -24,30 +26,15 @@ for setting in ${SETTINGS:-8192 8192/512 8192/384 8192/256 512 8192}; do
   [ -n "${mixed:-}" ] && [ "$mixed" != - ] && flags+=(--mixed-prefill-tokens "$mixed")
   [ "${dtype:-}" = fp8 ] && flags+=(--quantization fp8)
   tag=${setting//\//_}
+  [ -n "${MAX_MODEL_LEN:-}" ] && flags+=(--max-model-len "$MAX_MODEL_LEN")
   t0=$(date +%s.%N)
-  python3 -m pagefleet serve --model "$model" --served-model-name m --port $port --host 127.0.0.1 \
-    --max-model-len ${MAX_MODEL_LEN:-2048} --gpu-memory-fraction 0.85 --disable-access-log "${flags[@]}" > "$out/server-$tag.log" 2>&1 &
-  server=$!
-  python3 - $port $server <<'READY' || { tail -30 "$out/server-$tag.log"; kill $server 2> /dev/null; exit 1; }
-import os, sys, time, urllib.request
-port, pid = sys.argv[1], int(sys.argv[2])
-for _ in range(1800):  # until /v1/models answers, while the server lives (at most 15 min)
-    try:
-        urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2)
-        sys.exit(0)
-    except OSError:
-        try:
-            os.kill(pid, 0)
-        except OSError:
-            sys.exit(1)
-        time.sleep(0.5)
-sys.exit(1)
-READY
+  start_server pagefleet "$model" "$port" "$out/server-$tag.log" "${flags[@]}"
+  wait_ready "$port" "$out/server-$tag.log"
   ready=$(python3 -c "print(f'{$(date +%s.%N) - $t0:.1f}')")
   echo "== $setting (${flags[*]}): ready in $ready s"
   timeout 300 python3 -m pagefleet bench serve --base-url http://127.0.0.1:$port --concurrency 64 --num-requests 256 \
     --temperature 1.0 --json-out "$out/bench-$tag.json" ${BENCH_ARGS:-} 2>&1 | tail -4
-  kill $server; wait $server 2> /dev/null
+  kill "$SERVER_PID"; wait "$SERVER_PID" 2> /dev/null
   python3 - "$out/bench-$tag.json" "$setting" "$ready" >> "$table" <<'ROW'
 import json, sys
 row = json.load(open(sys.argv[1]))[-1]

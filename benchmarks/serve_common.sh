@@ -17,10 +17,12 @@ start_server() {
 }
 
 # wait_ready PORT LOG: until the server answers /v1/models (at most 450 s); exit 1 with its log's tail if it ends.
+# Python asks, not curl, so the scripts run where only Python is (their CPU tests).
 wait_ready() {
   local port=$1 log=$2
   for _ in $(seq 1 900); do
-    curl -sf "http://127.0.0.1:$port/v1/models" > /dev/null && return 0
+    python3 -c "import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=2)" \
+      "http://127.0.0.1:$port/v1/models" 2> /dev/null && return 0
     kill -0 "$SERVER_PID" 2> /dev/null || { tail -40 "$log"; exit 1; }
     sleep 0.5
   done

@@ -94,7 +94,7 @@ class Scheduler:
         # prompt tokens this step may still take: all of the budget unless a running sequence decodes
         prompt_budget = budget
         if self.mixed_prefill_tokens is not None and any(
-                len(s.token_ids) - s.num_computed_tokens == 1 for s in self.running):
+                s.num_uncomputed_tokens == 1 for s in self.running):
             prompt_budget = min(budget, self.mixed_prefill_tokens)
         # 1. Running sequences: decodes and unfinished prompt chunks (every running sequence: kept to reads).
         for seq in list(self.running):
